@@ -1,0 +1,215 @@
+"""Run a TF2 SavedModel that honours the Object Detection API serving contract.
+
+Contract: signature `serving_default` with one uint8 image input of shape [B, H, W, 3], where B is
+1 (model-zoo exports) or None (any batch); outputs `detection_boxes` (normalized
+[ymin, xmin, ymax, xmax]), `detection_classes` (1-based, float), `detection_scores` and
+`num_detections`. Other outputs are ignored.
+
+The HTTP layer sees only `Detector.detect`: images in, detections out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .errors import ModelError
+from .labels import label_for, load_label_map
+from .model_store import ModelVersion, resolve_model
+
+log = logging.getLogger(__name__)
+
+REQUIRED_OUTPUTS = ("detection_boxes", "detection_classes", "detection_scores", "num_detections")
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box in pixels of the image as the user sees it."""
+
+    x_min: float
+    y_min: float
+    x_max: float
+    y_max: float
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One detected object."""
+
+    label: str
+    class_id: int
+    score: float
+    box: Box
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "class_id": self.class_id,
+            "score": round(self.score, 4),
+            "box": {k: round(v, 1) for k, v in vars(self.box).items()},
+        }
+
+
+@dataclass(frozen=True)
+class ModelOutputs:
+    """The raw outputs of one model call, trimmed to num_detections, for one image."""
+
+    boxes: np.ndarray  # [N, 4] normalized ymin, xmin, ymax, xmax
+    classes: np.ndarray  # [N] int
+    scores: np.ndarray  # [N] float
+
+
+# Called after each model call with (images in the call, seconds it took).
+CallObserver = Callable[[int, float], None]
+
+
+class Detector:
+    """A loaded detector; `detect` may be called from many threads at once."""
+
+    def __init__(self, model: ModelVersion, loaded, signature, labels: dict[int, str],
+                 on_model_call: Optional[CallObserver] = None):
+        self.model = model
+        self._loaded = loaded  # keeps the variables alive for as long as the signature is used
+        self._signature = signature
+        self.labels = labels
+        self._on_model_call = on_model_call
+        self.input_name, self.input_dtype, self.input_shape = _input_spec(signature, model)
+        _check_outputs(signature, model)
+        # The batch dimension caps how many images one call may carry: 1 for zoo exports.
+        batch = self.input_shape[0]
+        self.max_batch: Optional[int] = None if batch is None else int(batch)
+        import tensorflow as tf
+
+        self._tf = tf
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def version(self) -> str:
+        return self.model.version
+
+    def run(self, batch: np.ndarray) -> list[ModelOutputs]:
+        """Run one model call on a [B, H, W, 3] uint8 batch; B must fit the batch dimension."""
+        if self.max_batch is not None and batch.shape[0] > self.max_batch:
+            raise ValueError(f"batch of {batch.shape[0]} exceeds the model's batch dimension {self.max_batch}")
+        started = time.perf_counter()
+        outputs = self._signature(**{self.input_name: self._tf.convert_to_tensor(batch)})
+        boxes = outputs["detection_boxes"].numpy()
+        classes = outputs["detection_classes"].numpy()
+        scores = outputs["detection_scores"].numpy()
+        counts = outputs["num_detections"].numpy().reshape(-1)
+        if self._on_model_call is not None:
+            self._on_model_call(batch.shape[0], time.perf_counter() - started)
+        results = []
+        for i in range(batch.shape[0]):
+            n = int(min(counts[i], scores.shape[1]))
+            results.append(ModelOutputs(
+                boxes=boxes[i, :n].astype(np.float64),
+                classes=np.rint(classes[i, :n]).astype(np.int64),
+                scores=scores[i, :n].astype(np.float64),
+            ))
+        return results
+
+    def infer(self, images: Sequence[np.ndarray]) -> list[ModelOutputs]:
+        """Run images through the model, in as few calls as the batch dimension and sizes allow."""
+        results: list[Optional[ModelOutputs]] = [None] * len(images)
+        limit = self.max_batch or len(images) or 1
+        groups: dict[tuple, list[int]] = {}
+        for i, image in enumerate(images):
+            groups.setdefault(image.shape, []).append(i)
+        for positions in groups.values():
+            for start in range(0, len(positions), limit):
+                chunk = positions[start:start + limit]
+                batch = np.stack([images[i] for i in chunk]) if len(chunk) > 1 else images[chunk[0]][None]
+                for i, out in zip(chunk, self.run(batch)):
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+    def detect(self, images: Sequence[np.ndarray], threshold: float, max_detections: int) -> list[list[Detection]]:
+        """Detect objects in RGB uint8 images [H, W, 3]; one list per image, best score first."""
+        return [
+            to_detections(out, image.shape[1], image.shape[0], self.labels, threshold, max_detections)
+            for image, out in zip(images, self.infer(images))
+        ]
+
+    def warm_up(self) -> None:
+        """Run one inference so the first request does not pay for tracing and allocation."""
+        height = self.input_shape[1] or 320
+        width = self.input_shape[2] or 320
+        self.run(np.zeros((1, height, width, 3), dtype=np.uint8))
+
+
+def to_detections(out: ModelOutputs, width: int, height: int, labels: dict[int, str],
+                  threshold: float, max_detections: int) -> list[Detection]:
+    """Turn one image's raw outputs into pixel-space detections above threshold, best first."""
+    order = np.argsort(-out.scores, kind="stable")
+    detections = []
+    for i in order:
+        score = float(out.scores[i])
+        if score < threshold or len(detections) >= max_detections:
+            break
+        y_min, x_min, y_max, x_max = np.clip(out.boxes[i], 0.0, 1.0)
+        class_id = int(out.classes[i])
+        detections.append(Detection(
+            label=label_for(labels, class_id),
+            class_id=class_id,
+            score=score,
+            box=Box(x_min=float(x_min * width), y_min=float(y_min * height),
+                    x_max=float(x_max * width), y_max=float(y_max * height)),
+        ))
+    return detections
+
+
+def _input_spec(signature, model: ModelVersion):
+    _, kwargs = signature.structured_input_signature
+    if len(kwargs) != 1:
+        raise ModelError(
+            f"model {model.path}: serving_default must take one image input, it takes {sorted(kwargs) or 'none'}"
+        )
+    (name, spec), = kwargs.items()
+    shape = spec.shape
+    if spec.dtype.name != "uint8" or shape.rank != 4 or shape[3] not in (3, None):
+        raise ModelError(
+            f"model {model.path}: input {name!r} is {spec.dtype.name} {shape}; "
+            "the contract is a uint8 image of shape [batch, height, width, 3]"
+        )
+    return name, spec.dtype.name, tuple(shape.as_list())
+
+
+def _check_outputs(signature, model: ModelVersion) -> None:
+    outputs = signature.structured_outputs
+    missing = [key for key in REQUIRED_OUTPUTS if key not in outputs]
+    if missing:
+        raise ModelError(f"model {model.path}: serving_default lacks the outputs {', '.join(missing)}")
+
+
+def load_detector(path, on_model_call: Optional[CallObserver] = None) -> Detector:
+    """Load the model at a base path or version folder; raise ModelError naming what is wrong."""
+    model = resolve_model(path)
+    import tensorflow as tf
+
+    try:
+        loaded = tf.saved_model.load(str(model.path))
+    except Exception as exc:  # TF raises many types (OSError, DecodeError, NotFoundError...) for bad files
+        raise ModelError(f"model {model.path} cannot be loaded as a SavedModel: {_first_line(exc)}") from None
+    signatures = getattr(loaded, "signatures", {})
+    if "serving_default" not in signatures:
+        raise ModelError(f"model {model.path} has no serving_default signature (it has {sorted(signatures)})")
+    labels = load_label_map(model.path / "label_map.pbtxt")
+    detector = Detector(model, loaded, signatures["serving_default"], labels, on_model_call)
+    log.info(
+        "loaded model %s version %s from %s: input %s %s, %d labels",
+        model.name, model.version, model.path, detector.input_name, list(detector.input_shape), len(labels),
+    )
+    return detector
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

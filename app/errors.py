@@ -1,0 +1,172 @@
+"""The project's one error tree, and the table that maps it to HTTP.
+
+DetectError
+├── ConfigError              a setting has a value that is not allowed (boot, exit 2)
+├── PolicyError              the GPU memory policy cannot be applied (boot, exit 2)
+├── ModelError               the model folder is missing, empty or does not honour the contract (boot, exit 2)
+├── NvmlUnavailable          NVML cannot be used: no driver, no library, or a failed call
+└── RequestError             something about one request; has an HTTP status
+    ├── BadRequest           400
+    │   ├── InvalidParameter     a query parameter is out of range or malformed
+    │   ├── InvalidBody          JSON or base64 that does not parse, a missing field
+    │   └── InvalidImage         bytes that do not decode as an image
+    ├── NotFound             404
+    ├── MethodNotAllowed     405
+    ├── PayloadTooLarge      413
+    │   ├── BodyTooLarge         the request body is over max_body_bytes
+    │   └── ImageTooLarge        the image header declares more than max_image_pixels
+    ├── UnsupportedMediaType 415
+    │   ├── UnsupportedContentType   a Content-Type /detect does not take
+    │   └── UnsupportedImageFormat   an image format outside the decoder allowlist
+    ├── InferenceFailed      500
+    └── NotReady             503
+"""
+
+from __future__ import annotations
+
+
+class DetectError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    code = "error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(DetectError):
+    """A setting has a value that is not allowed."""
+
+    code = "invalid_setting"
+
+
+class PolicyError(DetectError):
+    """The GPU memory policy cannot be applied."""
+
+    code = "invalid_memory_policy"
+
+
+class ModelError(DetectError):
+    """The model folder is missing, empty, or does not honour the detection contract."""
+
+    code = "invalid_model"
+
+
+class NvmlUnavailable(DetectError):
+    """NVML cannot be used on this host."""
+
+    code = "nvml_unavailable"
+
+
+class RequestError(DetectError):
+    """Something about one request; HTTP_STATUS maps it to a status."""
+
+
+class BadRequest(RequestError):
+    """The request is malformed."""
+
+    code = "bad_request"
+
+
+class InvalidParameter(BadRequest):
+    """A query parameter is out of range or malformed."""
+
+    code = "invalid_parameter"
+
+
+class InvalidBody(BadRequest):
+    """The body does not parse, or lacks a required field."""
+
+    code = "invalid_body"
+
+
+class InvalidImage(BadRequest):
+    """The bytes do not decode as an image."""
+
+    code = "invalid_image"
+
+
+class NotFound(RequestError):
+    """No such route."""
+
+    code = "not_found"
+
+
+class MethodNotAllowed(RequestError):
+    """The route exists but not for this method."""
+
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(RequestError):
+    """The request or one image in it is over a size limit."""
+
+    code = "payload_too_large"
+
+
+class BodyTooLarge(PayloadTooLarge):
+    """The request body is over max_body_bytes."""
+
+    code = "body_too_large"
+
+
+class ImageTooLarge(PayloadTooLarge):
+    """The image header declares more pixels than max_image_pixels."""
+
+    code = "image_too_large"
+
+
+class UnsupportedMediaType(RequestError):
+    """The body's type is not one /detect takes."""
+
+    code = "unsupported_media_type"
+
+
+class UnsupportedContentType(UnsupportedMediaType):
+    """A Content-Type that /detect does not take."""
+
+    code = "unsupported_content_type"
+
+
+class UnsupportedImageFormat(UnsupportedMediaType):
+    """An image format outside the decoder allowlist."""
+
+    code = "unsupported_image_format"
+
+
+class InferenceFailed(RequestError):
+    """The model raised on this request's images."""
+
+    code = "inference_failed"
+
+
+class NotReady(RequestError):
+    """The model is not loaded and warmed yet, or the server is shutting down."""
+
+    code = "not_ready"
+
+
+# Most specific class first wins: http_status() walks the MRO.
+HTTP_STATUS: dict[type[RequestError], int] = {
+    BadRequest: 400,
+    NotFound: 404,
+    MethodNotAllowed: 405,
+    PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
+    InferenceFailed: 500,
+    NotReady: 503,
+}
+
+
+def http_status(error: RequestError) -> int:
+    """Return the HTTP status for a request error, from HTTP_STATUS."""
+    for cls in type(error).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return 500
+
+
+def error_body(code: str, message: str) -> dict:
+    """Return the one JSON error shape every route answers with."""
+    return {"error": {"code": code, "message": message}}
