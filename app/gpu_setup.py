@@ -21,6 +21,7 @@ class GpuSetup:
     policy: AppliedPolicy
     nvml: Optional[Nvml]
     nvml_reason: Optional[str]  # why NVML is unavailable, where it is
+    selected: Optional[tuple[int, ...]] = None  # DETECT_GPUS as given: None all, () none
 
 
 def setup_gpus(settings: Settings, nvml_library=None, tf_config=None) -> GpuSetup:
@@ -33,4 +34,4 @@ def setup_gpus(settings: Settings, nvml_library=None, tf_config=None) -> GpuSetu
         log.info("NVML unavailable: %s", reason)
     total = nvml.total_mib if nvml is not None else (lambda index: None)
     policy = apply_policy(settings.gpu_memory, settings.gpus, total, tf_config=tf_config)
-    return GpuSetup(policy=policy, nvml=nvml, nvml_reason=reason)
+    return GpuSetup(policy=policy, nvml=nvml, nvml_reason=reason, selected=settings.gpus)

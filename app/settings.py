@@ -93,7 +93,7 @@ class Settings:
     """Every setting of the service; built once at boot, then read-only."""
 
     host: str = _setting("127.0.0.1", _text, "interface to listen on")
-    port: int = _setting(8000, _int_in(1, 65535), "TCP port to listen on")
+    port: int = _setting(8000, _int_in(0, 65535), "TCP port to listen on (0: any free port, logged at boot)")
     model: str = _setting(
         "models/faces", _text, "model base path (serves its highest numeric version) or one version folder"
     )
@@ -118,10 +118,6 @@ class Settings:
         20.0, _float_in(0.0, 600.0), "on SIGTERM, wait this long for requests in flight (s)"
     )
     log_level: str = _setting("INFO", _log_level, "DEBUG, INFO, WARNING or ERROR")
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
 
 def env_name(name: str) -> str:

@@ -1,0 +1,41 @@
+"""Whether this instance can take requests: loading, ready, or draining for shutdown."""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from .detector import Detector
+
+
+class ServingState:
+    """Set from the I/O thread and the loader thread, read from WSGI threads; thread-safe."""
+
+    def __init__(self, detector: Optional[Detector] = None):
+        self._lock = threading.Lock()
+        self._detector = detector
+        self._draining = False
+
+    def set_detector(self, detector: Detector) -> None:
+        """Publish the loaded, warmed detector; from now on the instance is ready."""
+        with self._lock:
+            self._detector = detector
+
+    def start_draining(self) -> None:
+        """Refuse new work from now on (shutdown has begun)."""
+        with self._lock:
+            self._draining = True
+
+    @property
+    def detector(self) -> Optional[Detector]:
+        with self._lock:
+            return None if self._draining else self._detector
+
+    @property
+    def draining(self) -> bool:
+        with self._lock:
+            return self._draining
+
+    @property
+    def ready(self) -> bool:
+        return self.detector is not None

@@ -1,0 +1,135 @@
+"""Shared fixtures: small real SavedModels built by the tests, the Flask app, and a real server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from blob_model import build_blob_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def blob_model_dir(tmp_path_factory) -> Path:
+    """A base path `blob/` holding versions 1 and 2 (batch None); 2 is the one served."""
+    base = tmp_path_factory.mktemp("models") / "blob"
+    build_blob_model(base / "1")
+    build_blob_model(base / "2")
+    return base
+
+
+@pytest.fixture(scope="session")
+def blob_batch1_dir(tmp_path_factory) -> Path:
+    """A version folder of the blob detector with its batch fixed at 1, as model-zoo exports have."""
+    return build_blob_model(tmp_path_factory.mktemp("models") / "blob1" / "7", batch=1)
+
+
+@pytest.fixture(scope="session")
+def detector(blob_model_dir):
+    from app.detector import load_detector
+
+    return load_detector(blob_model_dir)
+
+
+@pytest.fixture
+def app_factory(detector):
+    """Build a Flask app around real collaborators; keyword arguments override settings."""
+    from app.gpu_report import GpuReport
+    from app.gpu_setup import GpuSetup
+    from app.http_app import create_app
+    from app.memory_policy import AppliedPolicy
+    from app.settings import Settings
+    from app.state import ServingState
+
+    def make(state=None, **overrides):
+        settings = Settings(**overrides)
+        policy = AppliedPolicy(mode="cap", spec="4096MiB", gpus=(), note="no GPU is visible to TensorFlow")
+        gpu = GpuReport(GpuSetup(policy=policy, nvml=None, nvml_reason="no NVML in this test"))
+        return create_app(settings, state if state is not None else ServingState(detector), gpu)
+
+    return make
+
+
+@pytest.fixture
+def client(app_factory):
+    return app_factory().test_client()
+
+
+@dataclass
+class Server:
+    """A real `python -m app serve` subprocess on a free port."""
+
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 60.0):
+        """Send one request; return (status, headers, parsed JSON or raw bytes)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        kind = response.getheader("Content-Type", "")
+        return response.status, dict(response.getheaders()), json.loads(data) if "json" in kind else data
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = True,
+                 timeout: float = 180.0) -> Server:
+    """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
+    full_env.update({"DETECT_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
+    handle = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,
+        stdout=handle, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + timeout
+    port = None
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        if port is None:
+            found = re.search(r"listening on http://[\d.]+:(\d+)", text)
+            port = int(found.group(1)) if found else None
+        if port is not None and (not ready or "ready: model" in text):
+            return Server(process, port, log_path)
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{text}")
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"server did not start in {timeout} s:\n{log_path.read_text(errors='replace')}")
+
+
+@pytest.fixture(scope="session")
+def server(blob_model_dir, tmp_path_factory):
+    """One real server on the blob model, shared by the HTTP tests."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(
+        {"DETECT_MODEL": str(blob_model_dir), "DETECT_MAX_BODY_BYTES": "2MiB",
+         "DETECT_MAX_IMAGE_PIXELS": "4000000", "DETECT_MAX_IMAGES_PER_REQUEST": "4"},
+        log_path,
+    )
+    yield srv
+    srv.stop()
