@@ -61,7 +61,7 @@ def detect():
     service = _service()
     detector = service.state.detector
     if detector is None:
-        raise NotReady("the model is not loaded yet" if not service.state.draining else "the server is shutting down")
+        raise NotReady("the model is not loaded yet")
     settings = service.settings
     started = time.perf_counter()
     params = parse_params(request.args, settings.default_threshold)
@@ -128,8 +128,8 @@ def healthz():
 def readyz():
     state = _service().state
     detector = state.detector
-    if detector is None:
-        raise NotReady("shutting down" if state.draining else "the model is loading")
+    if not state.ready:
+        raise NotReady("the server is shutting down" if state.draining else "the model is loading")
     return jsonify({"status": "ready", "model": {"name": detector.name, "version": detector.version}})
 
 

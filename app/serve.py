@@ -2,8 +2,9 @@
 
 Order at boot: settings are valid (else exit 2), the model path resolves (else exit 2), the GPU
 memory policy is applied before TensorFlow creates any tensor (else exit 2), the port is bound,
-then the model loads and warms up in a thread while /readyz answers 503. SIGTERM or SIGINT: stop
-listening, /readyz turns 503, requests in flight finish (up to shutdown_grace_s), exit 0.
+then the model loads and warms up in a thread while /readyz answers 503. SIGTERM or SIGINT: /readyz
+turns 503, new /detect requests get 503, those in flight finish (up to shutdown_grace_s), the port
+closes, exit 0.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def serve(settings: Settings) -> int:
     from .gpu_report import GpuReport
     from .http_app import create_app
     from .metrics import ServiceMetrics
-    from .site import DetectSite
+    from .site import DetectSite, ProbeFirstRoot, whole_body_input
     from .state import ServingState
 
     gpu = GpuReport(gpu_setup)
@@ -87,10 +88,14 @@ def serve(settings: Settings) -> int:
     state = ServingState()
     app = create_app(settings, state, gpu, metrics)
 
-    pool = ThreadPool(minthreads=1, maxthreads=settings.http_threads, name="wsgi")
-    reactor.callWhenRunning(pool.start)
-    reactor.addSystemEventTrigger("after", "shutdown", pool.stop)
-    site = DetectSite(WSGIResource(reactor, pool, app), settings)
+    wsgi_app = whole_body_input(app)
+    resources = []
+    for name, size in (("wsgi", settings.http_threads), ("wsgi-control", 2)):
+        pool = ThreadPool(minthreads=1, maxthreads=size, name=name)
+        reactor.callWhenRunning(pool.start)
+        reactor.addSystemEventTrigger("after", "shutdown", pool.stop)
+        resources.append(WSGIResource(reactor, pool, wsgi_app))
+    site = DetectSite(ProbeFirstRoot(*resources), settings)
     try:
         port = reactor.listenTCP(settings.port, site, interface=settings.host)
     except CannotListenError as exc:
@@ -128,7 +133,7 @@ def serve(settings: Settings) -> int:
 
     def drain():
         state.start_draining()
-        log.info("shutting down: not ready, no new connections, %d request(s) in flight", site.in_flight)
+        log.info("shutting down: not ready, refusing new work, %d request(s) in flight", site.in_flight)
         return site.drain(port, settings.shutdown_grace_s)
 
     reactor.callWhenRunning(start_loading)

@@ -11,14 +11,50 @@ import json
 import logging
 import time
 
-from twisted.internet import defer, reactor, task
-from twisted.web import server
+from twisted.internet import defer, task
+from twisted.web import resource, server
 
 from .errors import error_body
 from .settings import Settings
 
 access_log = logging.getLogger("app.access")
 log = logging.getLogger(__name__)
+
+
+def whole_body_input(app):
+    """Wrap a WSGI app to tell it the input stream ends at the body's end.
+
+    Twisted hands the app a fully buffered body, so reading to EOF is safe; without this flag
+    Werkzeug reads nothing from a chunked body, which has no Content-Length.
+    """
+
+    def wrapped(environ, start_response):
+        environ["wsgi.input_terminated"] = True
+        return app(environ, start_response)
+
+    return wrapped
+
+
+CONTROL_PATHS = (b"healthz", b"readyz", b"metrics", b"gpu")
+DISCARD_ALLOWANCE = 64 * 2**20  # bytes past the limit read and dropped after a 413, before aborting
+
+
+class ProbeFirstRoot(resource.Resource):
+    """Send probes and metrics to their own WSGI thread pool, everything else to the main one.
+
+    Both resources host the same Flask app; the split only keeps /readyz and /healthz from queueing
+    behind inference when every main thread is busy.
+    """
+
+    def __init__(self, main: resource.Resource, control: resource.Resource):
+        super().__init__()
+        self._main = main
+        self._control = control
+
+    def getChildWithDefault(self, path, request):
+        # Give the segment back, so the WSGI app sees the whole path, as it would at the root.
+        request.postpath.insert(0, request.prepath.pop())
+        return self._control if path in CONTROL_PATHS else self._main
 
 
 class DetectRequest(server.Request):
@@ -37,10 +73,14 @@ class DetectRequest(server.Request):
         super().gotLength(length)
 
     def handleContentChunk(self, data):
-        if self._rejected:
-            return
         self._received += len(data)
         limit = self.channel.site.settings.max_body_bytes
+        if self._rejected:
+            # Read and drop the rest, so a client still sending sees our 413 rather than a reset;
+            # past the discard allowance, stop reading.
+            if self._received > limit + DISCARD_ALLOWANCE:
+                self.channel.transport.abortConnection()
+            return
         if self._received > limit:
             self._reject(f"the request body is over the limit of {limit} bytes")
             return
@@ -48,17 +88,30 @@ class DetectRequest(server.Request):
 
     def requestReceived(self, command, path, version):
         if self._rejected:
+            self.channel.transport.loseConnection()
             return
         super().requestReceived(command, path, version)
 
     def process(self):
         site = self.channel.site
+        if site.draining and self.path.split(b"?", 1)[0] == b"/detect":
+            # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
+            self._answer(503, "not_ready", "the server is shutting down; retry on another instance")
+            return
         site.in_flight += 1
         self.notifyFinish().addBoth(site.request_done)
         super().process()
 
+    def _answer(self, status: int, code: str, message: str) -> None:
+        body = json.dumps(error_body(code, message)).encode()
+        self.setResponseCode(status)
+        self.setHeader(b"content-type", b"application/json")
+        self.setHeader(b"connection", b"close")
+        self.write(body)
+        self.finish()
+
     def _reject(self, message: str) -> None:
-        """Answer 413 and close: the rest of the body is never read."""
+        """Answer 413 at once; the rest of the body is dropped unread, and the connection then closed."""
         self._rejected = True
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
         body = json.dumps(error_body("body_too_large", message)).encode()
@@ -67,7 +120,6 @@ class DetectRequest(server.Request):
             b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
             + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
         )
-        transport.loseConnection()
         access_log.info("%s %s 413 (body over limit, refused while receiving)",
                         (self.method or b"-").decode("latin-1"), (self.uri or b"-").decode("latin-1"))
 
@@ -81,6 +133,7 @@ class DetectSite(server.Site):
         super().__init__(resource, timeout=settings.idle_timeout_s)
         self.settings = settings
         self.in_flight = 0
+        self.draining = False
         self.displayTracebacks = False
 
     def request_done(self, result):
@@ -97,8 +150,11 @@ class DetectSite(server.Site):
         )
 
     def drain(self, port, grace_s: float) -> defer.Deferred:
-        """Stop listening, then fire once no request is in flight, or after grace_s seconds."""
-        stopped = defer.maybeDeferred(port.stopListening)
+        """Refuse new /detect work, wait until no request is in flight (at most grace_s), stop listening.
+
+        The port stays open meanwhile, so probes see /readyz answer 503 rather than a refused connection.
+        """
+        self.draining = True
         deadline = time.monotonic() + grace_s
         done = defer.Deferred()
 
@@ -111,4 +167,5 @@ class DetectSite(server.Site):
 
         loop = task.LoopingCall(check)
         loop.start(0.05, now=True).addCallback(lambda _: done.callback(None))
-        return defer.gatherResults([stopped, done])
+        done.addCallback(lambda _: port.stopListening())
+        return done

@@ -22,14 +22,15 @@ class ServingState:
             self._detector = detector
 
     def start_draining(self) -> None:
-        """Refuse new work from now on (shutdown has begun)."""
+        """Report not ready from now on (shutdown has begun); requests already accepted still finish."""
         with self._lock:
             self._draining = True
 
     @property
     def detector(self) -> Optional[Detector]:
+        """The detector once loaded; it stays usable while draining so accepted requests finish."""
         with self._lock:
-            return None if self._draining else self._detector
+            return self._detector
 
     @property
     def draining(self) -> bool:
@@ -38,4 +39,5 @@ class ServingState:
 
     @property
     def ready(self) -> bool:
-        return self.detector is not None
+        with self._lock:
+            return self._detector is not None and not self._draining

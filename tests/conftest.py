@@ -101,11 +101,11 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
     """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     full_env.update({"DETECT_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
-    handle = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,
-        stdout=handle, stderr=subprocess.STDOUT,
-    )
+    with log_path.open("wb") as handle:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,
+            stdout=handle, stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + timeout
     port = None
     while time.monotonic() < deadline:
@@ -133,3 +133,13 @@ def server(blob_model_dir, tmp_path_factory):
     )
     yield srv
     srv.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests where no NVIDIA driver is present."""
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version"):
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
