@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import ModelError
+from .errors import DetectError, InferenceFailed, ModelError, OutOfMemory
 from .labels import label_for, load_label_map
 from .model_store import ModelVersion, resolve_model
 
@@ -71,8 +71,11 @@ class Detector:
     """A loaded detector; `detect` may be called from many threads at once."""
 
     def __init__(self, model: ModelVersion, loaded, signature, labels: dict[int, str],
-                 on_model_call: Optional[CallObserver] = None):
+                 on_model_call: Optional[CallObserver] = None, on_out_of_memory: Optional[Callable[[], None]] = None,
+                 memory_limit: str = "this instance's memory policy"):
         self.model = model
+        self._on_out_of_memory = on_out_of_memory
+        self.memory_limit = memory_limit  # named in out-of-memory errors, e.g. "the GPU cap of 4096 MiB"
         self._loaded = loaded  # keeps the variables alive for as long as the signature is used
         self._signature = signature
         self.labels = labels
@@ -116,6 +119,34 @@ class Detector:
             ))
         return results
 
+    def run_batch(self, batch: np.ndarray) -> list["ModelOutputs | DetectError"]:
+        """Run a batch; where it fails, split it in halves down to single images.
+
+        So one bad image fails alone, and a batch that does not fit under the memory cap is retried
+        in smaller calls. Return one result or error per image, in order.
+        """
+        try:
+            return self.run(batch)
+        except self._tf.errors.ResourceExhaustedError as exc:
+            if self._on_out_of_memory is not None:
+                self._on_out_of_memory()
+            if batch.shape[0] == 1:
+                log.warning("out of memory on one %dx%d image under %s: %s", batch.shape[2], batch.shape[1],
+                            self.memory_limit, _first_line(exc))
+                return [OutOfMemory(
+                    f"the model ran out of memory on this image alone under {self.memory_limit}; "
+                    "send a smaller image or raise the cap"
+                )]
+            log.warning("out of memory on a batch of %d under %s; retrying in halves", batch.shape[0],
+                        self.memory_limit)
+        except Exception as exc:  # the model's own failure on some input; isolate it
+            if batch.shape[0] == 1:
+                log.error("the model failed on one %dx%d image: %s: %s", batch.shape[2], batch.shape[1],
+                          type(exc).__name__, _first_line(exc))
+                return [InferenceFailed(f"the model failed on this image: {type(exc).__name__}")]
+        half = batch.shape[0] // 2
+        return self.run_batch(batch[:half]) + self.run_batch(batch[half:])
+
     def infer(self, images: Sequence[np.ndarray]) -> list[ModelOutputs]:
         """Run images through the model, in as few calls as the batch dimension and sizes allow."""
         results: list[Optional[ModelOutputs]] = [None] * len(images)
@@ -127,12 +158,18 @@ class Detector:
             for start in range(0, len(positions), limit):
                 chunk = positions[start:start + limit]
                 batch = np.stack([images[i] for i in chunk]) if len(chunk) > 1 else images[chunk[0]][None]
-                for i, out in zip(chunk, self.run(batch)):
+                for i, out in zip(chunk, self.run_batch(batch)):
+                    if isinstance(out, DetectError):
+                        raise out
                     results[i] = out
         return results  # type: ignore[return-value]
 
-    def detect(self, images: Sequence[np.ndarray], threshold: float, max_detections: int) -> list[list[Detection]]:
-        """Detect objects in RGB uint8 images [H, W, 3]; one list per image, best score first."""
+    def detect(self, images: Sequence[np.ndarray], threshold: float, max_detections: int,
+               deadline: Optional[float] = None) -> list[list[Detection]]:
+        """Detect objects in RGB uint8 images [H, W, 3]; one list per image, best score first.
+
+        In-process use runs the calls in the caller's thread; `deadline` is ignored here.
+        """
         return [
             to_detections(out, image.shape[1], image.shape[0], self.labels, threshold, max_detections)
             for image, out in zip(images, self.infer(images))
@@ -189,8 +226,11 @@ def _check_outputs(signature, model: ModelVersion) -> None:
         raise ModelError(f"model {model.path}: serving_default lacks the outputs {', '.join(missing)}")
 
 
-def load_detector(path, on_model_call: Optional[CallObserver] = None) -> Detector:
-    """Load the model at a base path or version folder; raise ModelError naming what is wrong."""
+def load_detector(path, on_model_call: Optional[CallObserver] = None, **options) -> Detector:
+    """Load the model at a base path or version folder; raise ModelError naming what is wrong.
+
+    `options` go to Detector (on_out_of_memory, memory_limit).
+    """
     model = resolve_model(path)
     import tensorflow as tf
 
@@ -202,7 +242,7 @@ def load_detector(path, on_model_call: Optional[CallObserver] = None) -> Detecto
     if "serving_default" not in signatures:
         raise ModelError(f"model {model.path} has no serving_default signature (it has {sorted(signatures)})")
     labels = load_label_map(model.path / "label_map.pbtxt")
-    detector = Detector(model, loaded, signatures["serving_default"], labels, on_model_call)
+    detector = Detector(model, loaded, signatures["serving_default"], labels, on_model_call, **options)
     log.info(
         "loaded model %s version %s from %s: input %s %s, %d labels",
         model.name, model.version, model.path, detector.input_name, list(detector.input_shape), len(labels),

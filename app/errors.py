@@ -19,7 +19,10 @@ DetectError
     │   ├── UnsupportedContentType   a Content-Type /detect does not take
     │   └── UnsupportedImageFormat   an image format outside the decoder allowlist
     ├── InferenceFailed      500
-    └── NotReady             503
+    ├── NotReady             503
+    ├── Overloaded           503 with Retry-After: the inference queue is full
+    ├── OutOfMemory          503: one image alone does not fit under the memory cap
+    └── DeadlineExceeded     504: the answer did not come within request_deadline_s
 """
 
 from __future__ import annotations
@@ -147,6 +150,25 @@ class NotReady(RequestError):
     code = "not_ready"
 
 
+class Overloaded(RequestError):
+    """The inference queue is full; the client should retry after a moment."""
+
+    code = "overloaded"
+    retry_after_s = 1
+
+
+class OutOfMemory(RequestError):
+    """The model ran out of memory on one image alone, under this instance's memory policy."""
+
+    code = "out_of_memory"
+
+
+class DeadlineExceeded(RequestError):
+    """The answer did not come within the request deadline."""
+
+    code = "deadline_exceeded"
+
+
 # Most specific class first wins: http_status() walks the MRO.
 HTTP_STATUS: dict[type[RequestError], int] = {
     BadRequest: 400,
@@ -156,6 +178,9 @@ HTTP_STATUS: dict[type[RequestError], int] = {
     UnsupportedMediaType: 415,
     InferenceFailed: 500,
     NotReady: 503,
+    Overloaded: 503,
+    OutOfMemory: 503,
+    DeadlineExceeded: 504,
 }
 
 

@@ -64,12 +64,14 @@ def detect():
         raise NotReady("the model is not loaded yet")
     settings = service.settings
     started = time.perf_counter()
+    deadline = time.monotonic() + settings.request_deadline_s
     params = parse_params(request.args, settings.default_threshold)
     blobs, plural = _image_blobs(settings.max_images_per_request)
     images = [decode_image(blob, settings.max_image_pixels) for blob in blobs]
     decoded = time.perf_counter()
     try:
-        results = detector.detect([image.pixels for image in images], params.threshold, params.max_detections)
+        results = detector.detect([image.pixels for image in images], params.threshold, params.max_detections,
+                                  deadline=deadline)
     except DetectError:
         raise
     except Exception as exc:
@@ -147,7 +149,9 @@ def _error_response(status: int, code: str, message: str, headers=None):
 
 
 def _request_error(error: RequestError):
-    return _error_response(http_status(error), error.code, error.message)
+    retry_after = getattr(error, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return _error_response(http_status(error), error.code, error.message, headers)
 
 
 def _http_exception(error: HTTPException):

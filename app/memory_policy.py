@@ -117,6 +117,15 @@ class AppliedPolicy:
             "note": self.note,
         }
 
+    def memory_limit(self) -> str:
+        """Name what bounds this process's model memory, for out-of-memory errors."""
+        caps = sorted({g.cap_mib for g in self.gpus if g.cap_mib is not None})
+        if caps:
+            return f"the GPU memory cap of {'/'.join(str(c) for c in caps)} MiB"
+        if self.gpus:
+            return f"GPU memory policy {self.spec} (no cap)"
+        return "the host's memory (no GPU)"
+
     def describe(self) -> str:
         if not self.gpus:
             return f"GPU memory policy {self.spec}: {self.note}"

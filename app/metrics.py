@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from .errors import NvmlUnavailable
@@ -36,6 +36,15 @@ class ServiceMetrics:
             buckets=BATCH_BUCKETS, registry=self.registry,
         )
         self.images = Counter("detect_images", "Images run through the model.", registry=self.registry)
+        self.queue_wait = Histogram(
+            "detect_queue_wait_seconds", "Time an image waited in the queue before its model call.",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.out_of_memory = Counter(
+            "detect_out_of_memory", "Model calls that ran out of memory (ResourceExhaustedError).",
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge("detect_queue_depth", "Images waiting for a model call.", registry=self.registry)
         if gpu_report is not None:
             self.registry.register(_GpuMemoryCollector(gpu_report))
 
@@ -44,6 +53,10 @@ class ServiceMetrics:
         self.inference_latency.observe(seconds)
         self.images_per_call.observe(images)
         self.images.inc(images)
+
+    def watch_queue(self, queue) -> None:
+        """Report the inference queue's depth at scrape time."""
+        self.queue_depth.set_function(lambda: queue.depth)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

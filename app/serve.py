@@ -79,6 +79,7 @@ def serve(settings: Settings) -> int:
     from .detector import load_detector
     from .gpu_report import GpuReport
     from .http_app import create_app
+    from .inference import batching_detector
     from .metrics import ServiceMetrics
     from .site import DetectSite, ProbeFirstRoot, whole_body_input
     from .state import ServingState
@@ -110,14 +111,25 @@ def serve(settings: Settings) -> int:
 
     def load():
         started = time.perf_counter()
-        detector = load_detector(settings.model, on_model_call=metrics.observe_model_call)
+        detector = load_detector(
+            settings.model, on_model_call=metrics.observe_model_call,
+            on_out_of_memory=metrics.out_of_memory.inc, memory_limit=gpu_setup.policy.memory_limit(),
+        )
         detector.warm_up()
-        return detector, time.perf_counter() - started
+        serving = batching_detector(
+            detector, settings.max_batch_size, settings.max_batch_delay_ms, settings.inference_threads,
+            settings.max_queue, settings.request_deadline_s, on_wait=metrics.queue_wait.observe,
+        )
+        metrics.watch_queue(serving.queue)
+        reactor.addSystemEventTrigger("during", "shutdown", serving.queue.close)
+        return serving, time.perf_counter() - started
 
     def loaded(result):
         detector, seconds = result
         state.set_detector(detector)
-        log.info("ready: model %s version %s loaded and warmed in %.1f s", detector.name, detector.version, seconds)
+        log.info("ready: model %s version %s loaded and warmed in %.1f s (batches of up to %d, %d inference "
+                 "thread(s))", detector.name, detector.version, seconds, detector.queue.max_batch,
+                 settings.inference_threads)
 
     def failed(failure):
         error = failure.value

@@ -118,6 +118,26 @@ class Settings:
         20.0, _float_in(0.0, 600.0), "on SIGTERM, wait this long for requests in flight (s)"
     )
     log_level: str = _setting("INFO", _log_level, "DEBUG, INFO, WARNING or ERROR")
+    # Inference scheduling: batching, concurrency, admission.
+    max_batch_size: int = _setting(
+        8, _int_in(1, 256), "most images in one model call (batching needs a model whose batch dimension is None)"
+    )
+    max_batch_delay_ms: float = _setting(
+        2.0, _float_in(0.0, 1000.0), "longest an image waits for others to share its model call (ms; 0: no waiting)"
+    )
+    inference_threads: int = _setting(1, _int_in(1, 64), "model calls that may run at once")
+    max_queue: int = _setting(
+        64, _int_in(1, 100000), "images that may wait for the model; beyond it /detect answers 503 with Retry-After"
+    )
+    request_deadline_s: float = _setting(
+        30.0, _float_in(0.1, 3600.0), "longest a /detect request may wait for its answers before 504 (s)"
+    )
+    header_timeout_s: float = _setting(
+        10.0, _float_in(0.5, 600.0), "close a connection whose request line and headers take longer (s)"
+    )
+    body_timeout_s: float = _setting(
+        30.0, _float_in(0.5, 3600.0), "close a connection whose body takes longer than this to arrive (s)"
+    )
 
 
 def env_name(name: str) -> str:

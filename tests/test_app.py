@@ -40,7 +40,7 @@ class _Exploding:
     def __init__(self, detector):
         self._detector = detector
 
-    def detect(self, images, threshold, max_detections):
+    def detect(self, images, threshold, max_detections, deadline=None):
         if images[0].shape[1] == 13:
             raise ValueError("the model cannot take 13 columns")
         return self._detector.detect(images, threshold, max_detections)

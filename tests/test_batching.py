@@ -1,0 +1,239 @@
+"""Dynamic batching: answers go back to their request and position; bounds, deadlines and memory errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from app.batcher import InferenceQueue
+from app.detector import Detector, load_detector
+from app.errors import DeadlineExceeded, InferenceFailed, Overloaded, OutOfMemory
+from app.inference import batching_detector
+from app.state import ServingState
+
+from blob_model import blob_image
+from images_for_tests import encode
+
+
+def _case(i: int):
+    """Image i and the boxes it must come back with: sizes and blobs vary with i."""
+    width, height = (64, 48) if i % 3 else (40, 40)
+    x = i % 20
+    blobs = {1: (x, 1, x + 5, 6)}
+    if i % 2:
+        blobs[3] = (30, 20, 36, 30 + i % 7)
+    return blob_image(width, height, blobs), blobs
+
+
+def _as_tuples(found):
+    return {d.class_id: (d.box.x_min, d.box.y_min, d.box.x_max, d.box.y_max) for d in found}
+
+
+def test_concurrent_mixed_requests_each_get_their_own_answers_in_order(blob_model_dir):
+    sizes = []
+    detector = load_detector(blob_model_dir, on_model_call=lambda n, s: sizes.append(n))
+    serving = batching_detector(detector, max_batch_size=8, max_batch_delay_ms=20, inference_threads=1,
+                                max_queue=1000, deadline_s=60)
+
+    def one_request(r: int):
+        cases = [_case(r * 3 + k) for k in range(1 + r % 3)]
+        results = serving.detect([image for image, _ in cases], 0.1, 10)
+        return [(_as_tuples(found), blobs) for found, (_, blobs) in zip(results, cases)]
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one_request, range(48)))
+    finally:
+        serving.queue.close()
+    for request in answers:
+        for got, blobs in request:
+            assert got.keys() == blobs.keys()
+            for class_id, box in blobs.items():
+                assert got[class_id] == pytest.approx(box, abs=1e-3)
+    assert max(sizes) > 1, "concurrent same-sized images should have shared model calls"
+    assert max(sizes) <= 8
+
+
+def test_a_batch_one_model_is_never_batched_even_under_load(blob_batch1_dir):
+    sizes = []
+    detector = load_detector(blob_batch1_dir, on_model_call=lambda n, s: sizes.append(n))
+    serving = batching_detector(detector, max_batch_size=8, max_batch_delay_ms=5, inference_threads=2,
+                                max_queue=1000, deadline_s=60)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: serving.detect([_case(i)[0]] * 2, 0.1, 10), range(16)))
+    finally:
+        serving.queue.close()
+    assert set(sizes) == {1} and len(sizes) == 32
+    assert all(len(r) == 2 for r in results)
+
+
+class _Gate:
+    """A run_batch that blocks until released, to hold the queue still."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = []
+
+    def __call__(self, batch):
+        self.calls.append(batch.shape[0])
+        self.release.wait(10)
+        return [f"answer-{int(image[0, 0, 0])}" for image in batch]
+
+
+def _tagged(tag: int):
+    return np.full((4, 4, 3), tag, np.uint8)
+
+
+def test_a_full_queue_refuses_at_once_and_nothing_accepted_is_lost():
+    gate = _Gate()
+    queue = InferenceQueue(gate, max_batch=2, max_delay_s=0, threads=1, max_queue=3)
+    far = time.monotonic() + 60
+    first = queue.submit([_tagged(1)], far)
+    time.sleep(0.1)  # the worker takes it and blocks
+    accepted = queue.submit([_tagged(2), _tagged(3), _tagged(4)], far)
+    with pytest.raises(Overloaded, match="queue is full"):
+        queue.submit([_tagged(5)], far)
+    gate.release.set()
+    assert [f.result(5) for f in first + accepted] == ["answer-1", "answer-2", "answer-3", "answer-4"]
+    queue.close()
+    assert gate.calls == [1, 2, 1]
+
+
+def test_an_image_whose_deadline_passed_is_answered_not_run():
+    gate = _Gate()
+    queue = InferenceQueue(gate, max_batch=1, max_delay_s=0, threads=1, max_queue=10)
+    blocker = queue.submit([_tagged(1)], time.monotonic() + 60)
+    time.sleep(0.1)
+    late = queue.submit([_tagged(2)], time.monotonic() + 0.05)
+    time.sleep(0.2)
+    gate.release.set()
+    assert blocker[0].result(5) == "answer-1"
+    with pytest.raises(DeadlineExceeded):
+        late[0].result(5)
+    queue.close()
+    assert gate.calls == [1]
+
+
+def test_the_request_gets_504_when_its_deadline_passes_while_waiting(app_factory, detector):
+    gate = _Gate()
+    queue = InferenceQueue(gate, max_batch=1, max_delay_s=0, threads=1, max_queue=10)
+    from app.inference import BatchingDetector
+
+    serving = BatchingDetector(detector, queue, deadline_s=0.3)
+    client = app_factory(state=ServingState(serving), request_deadline_s=0.3).test_client()
+    response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
+    gate.release.set()
+    queue.close()
+    assert response.status_code == 504 and response.json["error"]["code"] == "deadline_exceeded"
+
+
+def test_an_overloaded_server_answers_503_with_retry_after(app_factory, detector):
+    gate = _Gate()
+    queue = InferenceQueue(gate, max_batch=1, max_delay_s=0, threads=1, max_queue=1)
+    from app.inference import BatchingDetector
+
+    queue.submit([_tagged(1)], time.monotonic() + 60)
+    time.sleep(0.1)
+    queue.submit([_tagged(2)], time.monotonic() + 60)  # fills the queue
+    client = app_factory(state=ServingState(BatchingDetector(detector, queue, 30))).test_client()
+    response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
+    gate.release.set()
+    queue.close()
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "1"
+    assert response.json["error"]["code"] == "overloaded"
+
+
+PIXEL_BUDGET = 5000  # the hungry model asks for 4 TiB once a call holds more pixels than this
+
+
+@pytest.fixture(scope="module")
+def hungry_model_dir(tmp_path_factory):
+    """A detector that allocates beyond any machine's memory when one call carries too many pixels."""
+    import tensorflow as tf
+
+    class Hungry(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="input_tensor")])
+        def detect(self, input_tensor):
+            shape = tf.shape(input_tensor, out_type=tf.int64)
+            pixels = shape[0] * shape[1] * shape[2]
+            size = tf.where(pixels > PIXEL_BUDGET, tf.constant(2**40, tf.int64), tf.constant(1, tf.int64))
+            spent = tf.reduce_max(tf.random.uniform(tf.reshape(size, [1]))) * 0.0
+            batch = shape[0]
+            return {
+                "detection_boxes": tf.zeros(tf.stack([batch, 1, 4])) + spent,
+                "detection_scores": tf.ones(tf.stack([batch, 1])) * 0.9,
+                "detection_classes": tf.ones(tf.stack([batch, 1])),
+                "num_detections": tf.ones(tf.reshape(batch, [1])),
+            }
+
+    module = Hungry()
+    path = tmp_path_factory.mktemp("models") / "hungry" / "1"
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.detect})
+    return path
+
+
+def test_a_batch_that_runs_out_of_memory_is_retried_in_halves(hungry_model_dir):
+    calls, ooms = [], []
+    detector = load_detector(hungry_model_dir, on_model_call=lambda n, s: calls.append(n),
+                             on_out_of_memory=lambda: ooms.append(1), memory_limit="the GPU memory cap of 64 MiB")
+    batch = np.zeros((4, 60, 60, 3), np.uint8)  # 3600 pixels each: one fits, two do not
+    results = detector.run_batch(batch)
+    assert len(results) == 4 and all(not isinstance(r, Exception) for r in results)
+    assert calls == [1, 1, 1, 1] and len(ooms) == 3  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
+
+
+def test_one_image_that_alone_runs_out_of_memory_gets_an_error_naming_the_cap(hungry_model_dir):
+    detector = load_detector(hungry_model_dir, memory_limit="the GPU memory cap of 64 MiB")
+    (result,) = detector.run_batch(np.zeros((1, 100, 100, 3), np.uint8))
+    assert isinstance(result, OutOfMemory) and "the GPU memory cap of 64 MiB" in result.message
+
+
+def test_out_of_memory_over_http_is_503_and_the_instance_keeps_serving(hungry_model_dir, app_factory):
+    from app.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics()
+    detector = load_detector(hungry_model_dir, on_out_of_memory=metrics.out_of_memory.inc,
+                             memory_limit="the GPU memory cap of 64 MiB")
+    serving = batching_detector(detector, 8, 0, 1, 100, 30)
+    app = app_factory(state=ServingState(serving))
+    app.extensions["detect"].metrics = metrics
+    client = app.test_client()
+    big = client.post("/detect", data=encode(blob_image(100, 100, {})), content_type="image/png")
+    small = client.post("/detect", data=encode(blob_image(20, 20, {})), content_type="image/png")
+    serving.queue.close()
+    assert big.status_code == 503 and big.json["error"]["code"] == "out_of_memory"
+    assert "64 MiB" in big.json["error"]["message"]
+    assert small.status_code == 200
+    assert "detect_out_of_memory_total 1.0" in client.get("/metrics").get_data(as_text=True)
+
+
+class _Unlucky:
+    """Detector.run_batch's splitting, over a run that fails on any batch holding the tag 13."""
+
+    _tf = __import__("tensorflow")
+    _on_out_of_memory = None
+    memory_limit = "none"
+    run_batch = Detector.run_batch
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, batch):
+        self.calls.append(batch.shape[0])
+        if 13 in batch[:, 0, 0, 0]:
+            raise ValueError("13 is unlucky")
+        return [f"ok-{int(b[0, 0, 0])}" for b in batch]
+
+
+def test_one_failing_image_in_a_batch_fails_alone():
+    model = _Unlucky()
+    results = model.run_batch(np.stack([_tagged(t) for t in (1, 13, 3, 4)]))
+    assert results[0] == "ok-1" and results[2:] == ["ok-3", "ok-4"]
+    assert isinstance(results[1], InferenceFailed)
+    assert model.calls == [4, 2, 1, 1, 2]
