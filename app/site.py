@@ -12,7 +12,7 @@ import logging
 import time
 
 from twisted.internet import defer, task
-from twisted.web import resource, server
+from twisted.web import http, resource, server
 
 from .errors import error_body
 from .settings import Settings
@@ -96,10 +96,13 @@ class DetectRequest(server.Request):
         site = self.channel.site
         if site.draining and self.path.split(b"?", 1)[0] == b"/detect":
             # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
+            self.notifyFinish().addBoth(site.log_access, self)
             self._answer(503, "not_ready", "the server is shutting down; retry on another instance")
             return
         site.in_flight += 1
-        self.notifyFinish().addBoth(site.request_done)
+        # notifyFinish fires on finish or on a lost connection; Twisted's own log call runs only on
+        # finish, which a client that has read its whole answer and hung up can beat.
+        self.notifyFinish().addBoth(site.request_done, self)
         super().process()
 
     def _answer(self, status: int, code: str, message: str) -> None:
@@ -121,13 +124,65 @@ class DetectRequest(server.Request):
             + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
         )
         access_log.info("%s %s 413 (body over limit, refused while receiving)",
-                        (self.method or b"-").decode("latin-1"), (self.uri or b"-").decode("latin-1"))
+                        getattr(self.channel, "_command", b"-").decode("latin-1"),
+                        getattr(self.channel, "_path", b"-").decode("latin-1", "replace")[:200])
+
+
+class DetectChannel(http.HTTPChannel):
+    """An HTTP connection with deadlines for a request's headers and for its body.
+
+    The idle timeout restarts on every byte, so a client dripping headers (slowloris) or a body that
+    stalls after a large Content-Length would hold the connection for ever; these deadlines do not.
+    The header clock starts at a request's first byte, so idle keep-alive connections are not cut.
+    """
+
+    _header_timer = None
+    _body_timer = None
+    _awaiting_headers = True
+
+    def dataReceived(self, data):
+        if self._awaiting_headers and self._header_timer is None and data:
+            self._header_timer = self.callLater(
+                self.site.settings.header_timeout_s, self._deadline_passed, "request headers")
+        super().dataReceived(data)
+
+    def allHeadersReceived(self):
+        self._awaiting_headers = False
+        self._cancel("_header_timer")
+        self._body_timer = self.callLater(self.site.settings.body_timeout_s, self._deadline_passed, "request body")
+        super().allHeadersReceived()
+
+    def allContentReceived(self):
+        self._cancel("_body_timer")
+        super().allContentReceived()
+
+    def requestDone(self, request):
+        self._awaiting_headers = True
+        super().requestDone(request)
+
+    def connectionLost(self, reason):
+        self._cancel("_header_timer")
+        self._cancel("_body_timer")
+        super().connectionLost(reason)
+
+    def _cancel(self, name: str) -> None:
+        timer = getattr(self, name)
+        if timer is not None and timer.active():
+            timer.cancel()
+        setattr(self, name, None)
+
+    def _deadline_passed(self, what: str) -> None:
+        setattr(self, "_header_timer" if what == "request headers" else "_body_timer", None)
+        peer = self.transport.getPeer()
+        log.info("closing the connection from %s: %s did not arrive in time", getattr(peer, "host", peer), what)
+        self.transport.abortConnection()
 
 
 class DetectSite(server.Site):
     """The service's Site: idle timeout from the settings, request counting for a graceful drain."""
 
     requestFactory = DetectRequest
+    protocol = DetectChannel
 
     def __init__(self, resource, settings: Settings):
         super().__init__(resource, timeout=settings.idle_timeout_s)
@@ -136,18 +191,23 @@ class DetectSite(server.Site):
         self.draining = False
         self.displayTracebacks = False
 
-    def request_done(self, result):
+    def request_done(self, result, request) -> None:
+        """Count a request out of flight and log it; swallows the client-went-away failure."""
         self.in_flight -= 1
-        return None  # swallow connection-lost failures: the client went away, nothing to log
+        self.log_access(result, request)
 
-    def log(self, request) -> None:
+    def log_access(self, result, request) -> None:
         """Write one access-log line: method, path, status, duration."""
         started = getattr(request, "_started", 0.0) or time.monotonic()
         access_log.info(
-            "%s %s %s %.1fms",
+            "%s %s %s %.1fms%s",
             request.method.decode("latin-1"), request.uri.decode("latin-1", "replace")[:200],
             request.code, (time.monotonic() - started) * 1000,
+            "" if result is None else " (connection closed before the server finished)",
         )
+
+    def log(self, request) -> None:
+        """Twisted's access log hook; log_access replaces it."""
 
     def drain(self, port, grace_s: float) -> defer.Deferred:
         """Refuse new /detect work, wait until no request is in flight (at most grace_s), stop listening.

@@ -128,7 +128,8 @@ def server(blob_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     srv = start_server(
         {"DETECT_MODEL": str(blob_model_dir), "DETECT_MAX_BODY_BYTES": "2MiB",
-         "DETECT_MAX_IMAGE_PIXELS": "4000000", "DETECT_MAX_IMAGES_PER_REQUEST": "4"},
+         "DETECT_MAX_IMAGE_PIXELS": "4000000", "DETECT_MAX_IMAGES_PER_REQUEST": "4",
+         "DETECT_HEADER_TIMEOUT_S": "1", "DETECT_BODY_TIMEOUT_S": "2"},
         log_path,
     )
     yield srv

@@ -249,3 +249,39 @@ def test_a_malformed_request_line_does_not_crash_the_server(server):
         sock.sendall(b"GARBAGE\r\n\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 400")
     assert server.request("GET", "/healthz")[0] == 200
+
+
+def test_headers_dripped_slowly_are_cut_off_while_normal_clients_are_served(server):
+    """Slowloris: the header deadline (1 s in this server) closes the drip; others are answered meanwhile."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /detect HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 8:
+            try:
+                sock.sendall(b"X-Drip: 1\r\n")
+                assert server.request("GET", "/healthz", timeout=5)[0] == 200
+                if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.2)
+        assert closed, "the dripping connection was never closed"
+        assert time.monotonic() - started < 4
+
+
+def test_a_body_that_stalls_is_closed_at_the_body_deadline(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /detect HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 1000\r\n\r\n")
+        sock.sendall(b"\x89PNG")
+        started = time.monotonic()
+        try:
+            data = sock.recv(100)  # blocks until the server closes
+        except ConnectionResetError:
+            data = b""
+        assert data == b"" and 1.5 <= time.monotonic() - started < 6
+    assert server.request("GET", "/healthz")[0] == 200
