@@ -199,11 +199,12 @@ class DetectSite(server.Site):
     def log_access(self, result, request) -> None:
         """Write one access-log line: method, path, status, duration."""
         started = getattr(request, "_started", 0.0) or time.monotonic()
+        # `result` is a Failure when the connection closed before finish(); with WSGI that is common
+        # even for complete answers (the client reads Content-Length bytes and hangs up first).
         access_log.info(
-            "%s %s %s %.1fms%s",
+            "%s %s %s %.1fms",
             request.method.decode("latin-1"), request.uri.decode("latin-1", "replace")[:200],
             request.code, (time.monotonic() - started) * 1000,
-            "" if result is None else " (connection closed before the server finished)",
         )
 
     def log(self, request) -> None:
