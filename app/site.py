@@ -7,6 +7,7 @@ Everything here runs in the reactor (I/O) thread.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ def whole_body_input(app):
 
 
 CONTROL_PATHS = (b"healthz", b"readyz", b"metrics", b"gpu")
+IN_MEMORY_BODY_BYTES = 4 * 2**20  # bodies up to this size are held in memory, not spooled to disk
 DISCARD_ALLOWANCE = 64 * 2**20  # bytes past the limit read and dropped after a 413, before aborting
 
 
@@ -69,6 +71,11 @@ class DetectRequest(server.Request):
         limit = self.channel.site.settings.max_body_bytes
         if length is not None and length > limit:
             self._reject(f"the request body is {length} bytes, over the limit of {limit} bytes")
+            return
+        if length is not None and length <= IN_MEMORY_BODY_BYTES:
+            # Twisted spools bodies from 100 kB to a temporary file: a disk write and read for every
+            # photo. Photos stay in memory; larger and chunked bodies still spool.
+            self.content = io.BytesIO()
             return
         super().gotLength(length)
 
