@@ -10,6 +10,8 @@ COMMANDS = {
     "train": ("app.shapes.cli", "train_main", "train the shapes detector under the GPU memory policy"),
     "export": ("app.shapes.cli", "export_main", "export the trained shapes detector as a SavedModel"),
     "evaluate": ("app.shapes.cli", "evaluate_main", "compute COCO mAP of a detector on held-out shapes"),
+    "fleet": ("app.fleet", "main", "run several instances on one GPU inside a memory budget"),
+    "calibrate": ("app.calibrate", "main", "measure a model's GPU memory and recommend a cap"),
 }
 
 

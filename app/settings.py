@@ -138,6 +138,11 @@ class Settings:
     body_timeout_s: float = _setting(
         30.0, _float_in(0.5, 3600.0), "close a connection whose body takes longer than this to arrive (s)"
     )
+    # Set by `python -m app fleet` on each instance it starts; /gpu reads them to account per process.
+    fleet_state: str = _setting(
+        "", lambda value: str(value).strip(), "fleet state file (JSON) naming each instance's pid and caps ('' none)"
+    )
+    instance_name: str = _setting("", lambda value: str(value).strip(), "this instance's name in its fleet ('' none)")
 
 
 def env_name(name: str) -> str:

@@ -36,6 +36,13 @@ class FakeNvml:
                  reserved=555, util=None, processes=[SimpleNamespace(pid=777, usedGpuMemory=None)]),
         ]
 
+    def set_processes(self, index: int, *processes: tuple[int, int | None]) -> None:
+        """Replace GPU `index`'s compute processes with (pid, used MiB) pairs; its used memory follows."""
+        self.devices[index]["processes"] = [
+            SimpleNamespace(pid=pid, usedGpuMemory=None if used is None else used * MIB) for pid, used in processes
+        ]
+        self.devices[index]["used"] = sum(used or 0 for _, used in processes)
+
     def nvmlInit(self):
         if self.init_error is not None:
             raise self.init_error
