@@ -84,7 +84,7 @@ def serve(settings: Settings) -> int:
     from .site import DetectSite, ProbeFirstRoot, whole_body_input
     from .state import ServingState
 
-    gpu = GpuReport(gpu_setup)
+    gpu = GpuReport(gpu_setup, fleet_state=settings.fleet_state, instance_name=settings.instance_name)
     metrics = ServiceMetrics(gpu)
     state = ServingState()
     app = create_app(settings, state, gpu, metrics)

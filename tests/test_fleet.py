@@ -256,6 +256,16 @@ port = 0
             status, body = answers[name]
             assert status == 200 and body["detections"][0]["class_id"] == 1, body
 
+        # Each instance's /gpu reads the fleet's state file and knows itself by name.
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", green["port"], timeout=30)
+        conn.request("GET", "/gpu")
+        accounting = json.loads(conn.getresponse().read())["accounting"]
+        conn.close()
+        assert accounting["this_instance"]["name"] == "green"
+        assert accounting["fleet"] is not None and "red" in json.dumps(accounting["fleet"])
+
         table = _wait_for(lambda: "pid" in out.read_text() and out.read_text(), 10, "the table", err)
         assert [line.split()[0] for line in table.splitlines()[-4:]] == ["instance", "red", "green", "broken"]
         assert str(red["pid"]) in table and "ready" in table and "failed" in table
