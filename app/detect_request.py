@@ -55,9 +55,12 @@ def parse_max_detections(raw: Optional[str]) -> int:
     if raw is None:
         return DEFAULT_MAX_DETECTIONS
     text = raw.strip()
-    if not (text.isascii() and text.isdigit() and len(text) <= 4 and 1 <= int(text) <= MAX_DETECTIONS_LIMIT):
+    # Leading zeros do not make a number bigger; the length check keeps int() off a 10,000-digit string.
+    digits = text.lstrip("0")
+    if not (text.isascii() and text.isdigit() and len(digits) <= 4
+            and 1 <= int(digits or "0") <= MAX_DETECTIONS_LIMIT):
         raise InvalidParameter(f"max_detections must be an integer from 1 to {MAX_DETECTIONS_LIMIT}, not {raw[:40]!r}")
-    return int(text)
+    return int(digits)
 
 
 def media_type(content_type: Optional[str]) -> str:
