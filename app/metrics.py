@@ -45,6 +45,8 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge("detect_queue_depth", "Images waiting for a model call.", registry=self.registry)
+        self.in_flight = Gauge("detect_http_requests_in_flight", "Requests received and not yet answered.",
+                               registry=self.registry)
         if gpu_report is not None:
             self.registry.register(_GpuMemoryCollector(gpu_report))
 
@@ -53,6 +55,10 @@ class ServiceMetrics:
         self.inference_latency.observe(seconds)
         self.images_per_call.observe(images)
         self.images.inc(images)
+
+    def watch_in_flight(self, count) -> None:
+        """Report the requests in flight, `count()`, at scrape time."""
+        self.in_flight.set_function(count)
 
     def watch_queue(self, queue) -> None:
         """Report the inference queue's depth at scrape time."""

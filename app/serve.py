@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,13 +92,14 @@ def serve(settings: Settings) -> int:
     app = create_app(settings, state, gpu, metrics)
 
     wsgi_app = whole_body_input(app)
-    resources = []
+    resources, pools = [], []
     for name, size in (("wsgi", settings.http_threads), ("wsgi-control", 2)):
         pool = ThreadPool(minthreads=1, maxthreads=size, name=name)
         reactor.callWhenRunning(pool.start)
-        reactor.addSystemEventTrigger("after", "shutdown", pool.stop)
+        pools.append(pool)
         resources.append(WSGIResource(reactor, pool, wsgi_app))
     site = DetectSite(ProbeFirstRoot(*resources), settings)
+    metrics.watch_in_flight(lambda: site.in_flight)
     try:
         port = reactor.listenTCP(settings.port, site, interface=settings.host)
     except CannotListenError as exc:
@@ -151,7 +154,16 @@ def serve(settings: Settings) -> int:
     reactor.callWhenRunning(start_loading)
     reactor.addSystemEventTrigger("before", "shutdown", drain)
     reactor.run()
+    # Stop the WSGI pools off the reactor thread: a request still running past the grace waits on
+    # the stopped reactor for ever, and joining its thread would hang the exit.
+    stopper = threading.Thread(target=lambda: [pool.stop() for pool in pools], daemon=True)
+    stopper.start()
+    stopper.join(5.0)
     if gpu_setup.nvml is not None:
         gpu_setup.nvml.close()
     log.info("stopped")
+    if stopper.is_alive():
+        log.warning("abandoning request(s) still running after the shutdown grace")
+        logging.shutdown()
+        os._exit(outcome["status"])  # their threads would keep the process alive
     return outcome["status"]

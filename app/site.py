@@ -7,6 +7,7 @@ Everything here runs in the reactor (I/O) thread.
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import logging
@@ -172,6 +173,16 @@ class DetectChannel(http.HTTPChannel):
         self._cancel("_body_timer")
         super().connectionLost(reason)
 
+    def lineLengthExceeded(self, line):
+        """Answer 431 to a request line or header line over Twisted's 16 KiB, instead of a silent close."""
+        body = json.dumps(error_body(
+            "header_too_large", f"a request or header line is over the limit of {self.MAX_LENGTH} bytes")).encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
+            + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+        )
+        self.transport.loseConnection()
+
     def _cancel(self, name: str) -> None:
         timer = getattr(self, name)
         if timer is not None and timer.active():
@@ -192,7 +203,13 @@ class DetectSite(server.Site):
     protocol = DetectChannel
 
     def __init__(self, resource, settings: Settings):
-        super().__init__(resource, timeout=settings.idle_timeout_s)
+        options = {}
+        if "parsePOSTFormSubmission" in inspect.signature(server.Site.__init__).parameters:
+            # Twisted would parse multipart and urlencoded bodies itself, in the reactor thread (stalling
+            # every connection on a body of many parts) and answer a malformed one with a bare 400.
+            # Werkzeug parses them in a WSGI thread, with its part limits, and we answer in JSON.
+            options["parsePOSTFormSubmission"] = False
+        super().__init__(resource, timeout=settings.idle_timeout_s, **options)
         self.settings = settings
         self.in_flight = 0
         self.draining = False

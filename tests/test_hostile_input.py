@@ -392,9 +392,7 @@ BAD_INPUT = [
 # Twisted's Request parses multipart and urlencoded bodies itself, in the reactor thread, before the WSGI app
 # sees them (Site(parsePOSTFormSubmission=True) is its default); on a body its email parser rejects, it answers a
 # bare "400 Bad Request" with no JSON and drops the connection.
-TWISTED_PARSES_FORMS = pytest.mark.xfail(strict=True, reason=(
-    "Twisted parses multipart bodies in the reactor before Flask and answers a malformed one with a bare 400; "
-    "app/site.py's DetectSite should pass parsePOSTFormSubmission=False to server.Site.__init__"))
+TWISTED_PARSES_FORMS = ()  # fixed: DetectSite passes parsePOSTFormSubmission=False
 TWISTED_FORM_CASES = {"multipart-no-parts", "multipart-no-boundary", "multipart-garbage"}
 
 
@@ -550,10 +548,7 @@ def test_content_length_with_transfer_encoding_is_one_answer_never_two(hostile, 
     assert "smuggled=1" not in hostile.log()
 
 
-TOO_BIG_LINE = pytest.mark.xfail(strict=True, reason=(
-    "Twisted's LineReceiver drops a connection whose request line or one header line exceeds MAX_LENGTH (16384) "
-    "without answering; app/site.py's DetectChannel should override lineLengthExceeded to answer 431 (or 414) "
-    "with a JSON body and Connection: close"))
+TOO_BIG_LINE = ()  # fixed: DetectChannel.lineLengthExceeded answers 431 in JSON
 
 
 @pytest.mark.parametrize("payload", [
@@ -571,11 +566,6 @@ def test_headers_over_16_kib_get_400_or_431_and_the_connection_closes(hostile, r
     hold(hostile, f"headers {request.node.callspec.id}", attempt)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Twisted parses multipart and urlencoded bodies in the reactor thread (about 1.7 s for 30000 parts in "
-    "1.9 MB here, ten times that at the default 20 MiB limit), stalling every other connection; app/site.py's "
-    "DetectSite should pass parsePOSTFormSubmission=False to server.Site.__init__, leaving forms to Werkzeug "
-    "(which stops at 1000 parts) in a WSGI thread"))
 @pytest.mark.parametrize("body, kind", [
     (b"".join(b'--b0undary\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nx\r\n' % i for i in range(30000))
      + b"--b0undary--\r\n", "multipart/form-data; boundary=b0undary"),
