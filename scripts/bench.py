@@ -1,0 +1,628 @@
+"""Benchmark the service against its in-process ceiling, over a concurrency sweep.
+
+Starts `python -m app serve` on a free port (the shapes model if one is exported, else faces),
+drives it with scripts/loadgen.py in a process of its own at each concurrency, and reads the
+server's RSS, threads, descriptors and CPU time from /proc. Before that, a separate process
+measures the ceiling: decoding (app.images.decode_image) plus the model (Detector.run on stacked
+batches) on the same 640x480 JPEGs, one thread, no HTTP, at each batch size; the best is the ceiling.
+Writes bench.json and bench.png to the output folder. With --compare the sweep runs again with
+batching off (max_batch_size=1). Exit status: 0 done (targets are reported, never enforced), 1 a
+--smoke sanity check failed, 2 the bench could not run.
+
+The machine is shared, so every figure carries the load average taken with it.
+
+This module also holds what the overload and soak scripts share: the server process and its
+/proc figures, the test images, the settings file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+sys.path.insert(0, str(ROOT))
+
+import loadgen  # noqa: E402  (scripts/ is on the path when run as a script)
+
+SWEEP = (1, 4, 16, 64, 128)
+SMOKE_SWEEP = (1, 4)
+CEILING_BATCHES = (1, 2, 4, 8, 16, 32)
+IMAGE_SIZE = (640, 480)
+
+
+# --- shared by bench, overload and soak ------------------------------------------------------------
+
+def default_model() -> Path:
+    """Return models/shapes if it holds an exported version, else models/faces."""
+    shapes = ROOT / "models" / "shapes"
+    if any((p / "saved_model.pb").exists() for p in shapes.glob("*") if p.name.isdigit()):
+        return shapes
+    return ROOT / "models" / "faces"
+
+
+def load_average() -> list[float]:
+    """Return the 1, 5 and 15 minute load averages, rounded."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def make_images(folder: Path, count: int = 16, seed: int = 0) -> Path:
+    """Write `count` deterministic 640x480 JPEG scenes (shapes on a textured gradient) to `folder`."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFilter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    width, height = IMAGE_SIZE
+    for i in range(count):
+        path = folder / f"scene-{i:02d}.jpg"
+        if path.exists():
+            continue
+        rng = np.random.default_rng([seed, i])
+        ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+        a, b = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+        mix = (xs / width * rng.uniform(0.3, 1) + ys / height * rng.uniform(0.3, 1))[..., None] / 2
+        base = a * (1 - mix) + b * mix + rng.normal(0, 12, (height, width, 3))
+        canvas = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).filter(ImageFilter.GaussianBlur(1))
+        draw = ImageDraw.Draw(canvas)
+        for _ in range(int(rng.integers(3, 9))):
+            cx, cy = rng.uniform(0, width), rng.uniform(0, height)
+            r = rng.uniform(20, 120)
+            colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+            kind = int(rng.integers(0, 4))
+            if kind == 0:
+                draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            elif kind == 1:
+                draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            else:
+                points = 3 if kind == 2 else 10
+                angles = rng.uniform(0, 2 * np.pi) + np.arange(points) * 2 * np.pi / points
+                radii = np.full(points, r) if kind == 2 else np.where(np.arange(points) % 2, r * 0.45, r)
+                draw.polygon([(cx + q * np.cos(t), cy + q * np.sin(t)) for q, t in zip(radii, angles)], fill=colour)
+        buffer = io.BytesIO()
+        canvas.save(buffer, format="JPEG", quality=90)
+        path.write_bytes(buffer.getvalue())
+    return folder
+
+
+def write_settings(path: Path, settings: dict) -> dict:
+    """Write server settings as a TOML file and return every effective setting (code defaults under them)."""
+    from app.settings import load_settings
+
+    lines = []
+    for key, value in settings.items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    effective = load_settings(config_path=path, environ={})
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(effective).items()
+            if isinstance(v, (int, float, str, tuple, type(None)))}
+
+
+@dataclass
+class ServerProcess:
+    """A `python -m app serve` child on a free port of 127.0.0.1, and its /proc figures."""
+
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    _clock_ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
+
+    @classmethod
+    def start(cls, config: Path, log_path: Path, timeout_s: float = 300.0) -> "ServerProcess":
+        """Start the server with this settings file (DETECT_* variables ignored); wait until ready."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
+        env.update({"DETECT_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("wb") as handle:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "app", "serve", "--config", str(config)], cwd=ROOT, env=env,
+                stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout_s
+        port = None
+        while time.monotonic() < deadline:
+            text = log_path.read_text(errors="replace")
+            found = re.search(r"listening on http://[\d.]+:(\d+)", text)
+            port = int(found.group(1)) if found else None
+            if port is not None and "ready: model" in text:
+                return cls(process, port, log_path)
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode}:\n{text[-3000:]}")
+            time.sleep(0.2)
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s; see {log_path}")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stats(self) -> dict:
+        """Return RSS (MB), thread and descriptor counts and CPU seconds, from /proc/<pid>."""
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / self._clock_ticks  # utime + stime
+        return {
+            "rss_mb": round(rss_kb / 1024, 1),
+            "threads": len(os.listdir(f"/proc/{self.pid}/task")),
+            "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
+            "cpu_s": round(cpu, 2),
+        }
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, wait for a clean exit (kill after timeout_s); return the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+class StatsSampler:
+    """Sample a server's /proc figures every `every_s` in a background thread."""
+
+    def __init__(self, server: ServerProcess, every_s: float = 0.5):
+        self.samples: list[dict] = []
+        self._server = server
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="stats-sampler", daemon=True)
+
+    def __enter__(self) -> "StatsSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.samples.append({"t": round(time.monotonic() - t0, 2), **self._server.stats()})
+            except (OSError, AttributeError):
+                return  # the server is gone
+            self._stop.wait(self._every_s)
+
+
+def drive(server: ServerProcess, images: Path, out: Path, label: str, connections: int, duration_s: float,
+          requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
+          records: bool = False) -> dict:
+    """Run one load step against the server in a separate process; add server and machine figures."""
+    load_before = load_average()
+    before = server.stats()
+    started = time.monotonic()
+    with StatsSampler(server) as sampler:
+        process = loadgen.spawn(server.port, images, out, connections, duration_s, requests=requests, rate=rate,
+                                timeout_s=timeout_s, records=records, label=label)
+        budget = (duration_s if requests is None else max(duration_s, 3600.0)) + timeout_s + 30
+        result = loadgen.collect(process, out, budget)
+    wall = time.monotonic() - started
+    after = server.stats()
+    result["server"] = {
+        "before": before, "after": after,
+        "rss_mb_peak": max([s["rss_mb"] for s in sampler.samples] + [after["rss_mb"]]),
+        "cpu_percent": round(100 * (after["cpu_s"] - before["cpu_s"]) / wall, 1) if wall > 0 else None,
+    }
+    result["load_average"] = {"before": load_before, "after": load_average()}
+    result["samples"] = sampler.samples
+    return result
+
+
+def overall_statuses(result: dict) -> tuple[int, int, int]:
+    """Return (200s, 503s, other statuses) of a load step."""
+    statuses = {int(k): v for k, v in result["statuses"].items()}
+    ok, busy = statuses.get(200, 0), statuses.get(503, 0)
+    return ok, busy, sum(statuses.values()) - ok - busy
+
+
+# --- the ceiling -----------------------------------------------------------------------------------
+
+def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], seconds: float) -> dict:
+    """Time decoding plus the model on the images, one thread, no HTTP; return figures per batch size."""
+    import numpy as np
+
+    from app.detector import load_detector
+    from app.images import decode_image
+    from app.settings import Settings
+
+    max_pixels = Settings().max_image_pixels
+    blobs = [body for body, _ in loadgen.read_bodies(images)]
+    detector = load_detector(model)
+    detector.warm_up()
+
+    def timed(fn, at_least: int = 3) -> list[float]:
+        times = []
+        stop = time.perf_counter() + seconds
+        while len(times) < at_least or time.perf_counter() < stop:
+            started = time.perf_counter()
+            fn(len(times))
+            times.append(time.perf_counter() - started)
+        return times
+
+    decode_s = timed(lambda i: decode_image(blobs[i % len(blobs)], max_pixels), at_least=len(blobs))
+    single_s = timed(lambda i: detector.run(decode_image(blobs[i % len(blobs)], max_pixels).pixels[None]),
+                     at_least=5)
+    per_batch = {}
+    limit = detector.max_batch
+    for size in batch_sizes:
+        if limit is not None and size > limit:
+            continue
+        detector.run(np.stack([decode_image(blobs[j % len(blobs)], max_pixels).pixels for j in range(size)]))
+        model_s: list[float] = []
+
+        def step(i: int) -> None:
+            pixels = [decode_image(blobs[(i * size + j) % len(blobs)], max_pixels).pixels for j in range(size)]
+            batch = np.stack(pixels) if size > 1 else pixels[0][None]
+            started = time.perf_counter()
+            detector.run(batch)
+            model_s.append(time.perf_counter() - started)
+
+        calls = timed(step)
+        per_batch[str(size)] = {
+            "calls": len(calls),
+            "images_per_s": round(size * len(calls) / sum(calls), 2),
+            "call_ms_p50": round(1000 * loadgen.percentile(calls, 50), 2),
+            "model_ms_p50": round(1000 * loadgen.percentile(model_s, 50), 2),
+            "model_images_per_s": round(size * len(model_s) / sum(model_s), 2),
+        }
+        print(f"  ceiling: batch {size:3d}: {per_batch[str(size)]['images_per_s']:8.2f} images/s "
+              f"(model alone {per_batch[str(size)]['model_images_per_s']:.2f}/s)", file=sys.stderr, flush=True)
+    best = max(per_batch, key=lambda k: per_batch[k]["images_per_s"])
+    return {
+        "model": str(model), "model_max_batch": limit,
+        "decode_ms_p50": round(1000 * loadgen.percentile(decode_s, 50), 2),
+        "single_image_ms_p50": round(1000 * loadgen.percentile(single_s, 50), 2),  # decode + batch-1 call
+        "per_batch": per_batch,
+        "best_batch": int(best),
+        "images_per_s": per_batch[best]["images_per_s"],
+    }
+
+
+def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: float) -> dict:
+    """Measure the ceiling in a child process (so the bench process never hosts TensorFlow)."""
+    args = [sys.executable, str(Path(__file__).resolve()), "--ceiling-only", "--model", str(model),
+            "--images", str(images), "--ceiling-json", str(out), "--ceiling-seconds", f"{seconds:g}",
+            "--ceiling-batches", ",".join(str(b) for b in batch_sizes)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    code = subprocess.run(args, cwd=ROOT, env=env, stdin=subprocess.DEVNULL).returncode
+    if code != 0:
+        raise RuntimeError(f"the ceiling measurement exited with status {code}")
+    return json.loads(out.read_text())
+
+
+# --- the sweep -------------------------------------------------------------------------------------
+
+def sweep(mode: str, settings: dict, args, images: Path, out: Path) -> dict:
+    """Start a server with these settings and run every concurrency step; return the mode's figures."""
+    config = out / f"server-{mode}.toml"
+    effective = write_settings(config, settings)
+    print(f"\n== {mode}: max_batch_size={effective['max_batch_size']} max_batch_delay_ms="
+          f"{effective['max_batch_delay_ms']} inference_threads={effective['inference_threads']} "
+          f"http_threads={effective['http_threads']} max_queue={effective['max_queue']} "
+          f"request_deadline_s={effective['request_deadline_s']}", file=sys.stderr, flush=True)
+    server = ServerProcess.start(config, out / f"server-{mode}.log")
+    steps, profile = [], None
+    try:
+        print(f"  server pid {server.pid} on port {server.port}; warming up", file=sys.stderr, flush=True)
+        drive(server, images, out / "loadgen-warmup.json", f"{mode} warm-up", 4, args.warmup)
+        print(HEADER, file=sys.stderr, flush=True)
+        for connections in args.concurrency:
+            result = drive(server, images, out / f"loadgen-{mode}-c{connections}.json", f"{mode} c={connections}",
+                           connections, args.duration, timeout_s=args.request_timeout)
+            steps.append(_step_figures(connections, result))
+            _print_row(steps[-1])
+        if args.profile_at and mode == "batching":
+            profile = profile_step(server, images, out, args)
+    finally:
+        code = server.stop()
+    return {"mode": mode, "settings": effective, "server_exit": code, "steps": steps, "profile": profile}
+
+
+def _step_figures(connections: int, result: dict) -> dict:
+    ok, busy, other = overall_statuses(result)
+    return {
+        "connections": connections,
+        "requests": result["requests"],
+        "images_per_s": result["ok_per_s"],  # one image per request: 200s per second
+        "latency_ms": result["latency_ms"],
+        "statuses": result["statuses"],
+        "errors": result["errors"],
+        "error_total": result["error_total"] + busy + other,  # anything but a 200 is an error here
+        "connection_errors": result["error_total"],
+        "error_examples": result["error_examples"],
+        "rss_mb": result["server"]["after"]["rss_mb"],
+        "rss_mb_peak": result["server"]["rss_mb_peak"],
+        "threads": result["server"]["after"]["threads"],
+        "fds": result["server"]["after"]["fds"],
+        "server_cpu_percent": result["server"]["cpu_percent"],
+        "client_cpu_s": result["client_cpu_s"],
+        "elapsed_s": result["elapsed_s"],
+        "load_average": result["load_average"],
+    }
+
+
+HEADER = (f"  {'conn':>5} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'200':>6} {'503':>5} "
+          f"{'other':>5} {'conn err':>8} {'RSS MB':>7} {'srv CPU%':>8} {'load1':>6}")
+
+
+def _print_row(step: dict) -> None:
+    statuses = {int(k): v for k, v in step["statuses"].items()}
+    lat = step["latency_ms"]
+    fmt = (lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8}")
+    other = sum(v for k, v in statuses.items() if k not in (200, 503))
+    print(f"  {step['connections']:5d} {step['images_per_s']:8.2f} {fmt(lat['p50'])} {fmt(lat['p90'])} "
+          f"{fmt(lat['p99'])} {statuses.get(200, 0):6d} {statuses.get(503, 0):5d} {other:5d} "
+          f"{step['connection_errors']:8d} {step['rss_mb']:7.1f} {step['server_cpu_percent'] or 0:8.1f} "
+          f"{step['load_average']['after'][0]:6.2f}", file=sys.stderr, flush=True)
+
+
+def profile_step(server: ServerProcess, images: Path, out: Path, args) -> Optional[dict]:
+    """Run one extra step at --profile-at connections under py-spy (kept out of the sweep's figures)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        print("  py-spy is not in the venv (pip install py-spy): no profile", file=sys.stderr)
+        return None
+    connections, path = args.profile_at, out / f"profile-c{args.profile_at}.txt"
+    seconds = max(2, int(args.duration))
+    print(f"  profiling the server with py-spy for {seconds} s at {connections} connections", file=sys.stderr)
+    # --nonblocking: sampling never pauses the server, so the profile does not change what it measures.
+    spy_process = subprocess.Popen(
+        [str(spy), "record", "--pid", str(server.pid), "--duration", str(seconds), "--rate", "200",
+         "--nonblocking", "--threads", "--idle", "--format", "raw",
+         "--output", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    result = drive(server, images, out / f"loadgen-profile-c{connections}.json", f"profile c={connections}",
+                   connections, seconds + 1, timeout_s=args.request_timeout)
+    _, err = spy_process.communicate(timeout=120)
+    if not path.exists():
+        print(f"  py-spy wrote no profile: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
+        return None
+    summary = summarize_profile(path)
+    summary["step"] = _step_figures(connections, result)
+    print(f"  profile: {summary['busy_percent']}% of thread samples busy; busy time by thread "
+          f"{summary['busy_by_thread']}", file=sys.stderr)
+    for name, share in summary["busy_self"][:8]:
+        print(f"    {share:5.1f}%  {name}", file=sys.stderr)
+    return summary
+
+
+# A sample whose innermost frame is one of these is a thread waiting, not working.
+IDLE = re.compile(r"^(Condition\.wait|Event\.wait|wait|_wait_for_tstate_lock|EPollReactor\.doPoll|select|"
+                  r"poll|sleep|acquire|Future\.result|_worker|get|epoll_wait|pthread_cond_.*wait.*|"
+                  r"futex.*|__futex.*|syscall|nanosleep|clock_nanosleep)\b")
+
+
+def summarize_profile(path: Path, top: int = 15) -> dict:
+    """Sum py-spy's collapsed stacks: busy share, busy time by thread group and by function (percent)."""
+    total = busy = 0
+    by_thread: dict[str, int] = {}
+    by_leaf: dict[str, int] = {}
+    by_frame: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        leaf = frames[-1]
+        if IDLE.match(leaf):
+            continue
+        busy += n
+        group = re.sub(r"-\d+$", "", re.sub(r"^thread \(\w+\):?\s*", "", frames[0])) or frames[0]
+        by_thread[group] = by_thread.get(group, 0) + n
+        name = re.sub(r" \(.*\)$", "", leaf) + " " + _file_of(leaf)
+        by_leaf[name] = by_leaf.get(name, 0) + n
+        for frame in {re.sub(r":\d+\)$", ")", f) for f in frames[1:]}:
+            by_frame[frame] = by_frame.get(frame, 0) + n
+
+    def share(table):
+        return [[name, round(100 * n / busy, 1)] for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"file": str(path), "samples": total, "busy_percent": round(100 * busy / total, 1) if total else 0.0,
+            "busy_by_thread": dict(share(by_thread)) if busy else {}, "busy_self": share(by_leaf) if busy else [],
+            "busy_inclusive": share(by_frame) if busy else []}
+
+
+def _file_of(frame: str) -> str:
+    found = re.search(r"\(([^()]*?)(?::\d+)?\)$", frame)
+    return f"({Path(found.group(1)).name})" if found else ""
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+def evaluate_targets(ceiling: dict, modes: dict) -> list[dict]:
+    """Compare the sweep with the issue's three targets; report, never enforce."""
+    def at(mode: str, connections: int) -> Optional[dict]:
+        steps = modes.get(mode, {}).get("steps", [])
+        return next((s for s in steps if s["connections"] == connections), None)
+
+    targets = []
+    on64, off64, on1 = at("batching", 64), at("no_batching", 64), at("batching", 1)
+    if on64:
+        need = 0.85 * ceiling["images_per_s"]
+        targets.append({"target": "64 connections: throughput >= 0.85 x ceiling", "measured": on64["images_per_s"],
+                        "needed": round(need, 2), "met": on64["images_per_s"] >= need})
+    if on1 and on1["latency_ms"]["p50"] is not None:
+        need = ceiling["single_image_ms_p50"] + 3
+        targets.append({"target": "1 connection: p50 <= in-process single-image latency + 3 ms",
+                        "measured": on1["latency_ms"]["p50"], "needed": round(need, 2),
+                        "met": on1["latency_ms"]["p50"] <= need})
+    if on64 and off64:
+        need = 1.5 * off64["images_per_s"]
+        targets.append({"target": "64 connections: batching on >= 1.5 x batching off",
+                        "measured": on64["images_per_s"], "needed": round(need, 2),
+                        "met": on64["images_per_s"] >= need})
+    return targets
+
+
+def plot(result: dict, path: Path) -> None:
+    """Draw throughput and p99 against concurrency, the ceiling as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, style in (("batching", "o-"), ("no_batching", "s--")):
+        steps = result["modes"].get(mode, {}).get("steps")
+        if not steps:
+            continue
+        xs = [s["connections"] for s in steps]
+        label = "batching on" if mode == "batching" else "batching off (max_batch_size=1)"
+        left.plot(xs, [s["images_per_s"] for s in steps], style, label=label)
+        right.plot(xs, [s["latency_ms"]["p99"] or 0 for s in steps], style, label=label)
+    ceiling = result["ceiling"]
+    left.axhline(ceiling["images_per_s"], color="grey", linestyle=":",
+                 label=f"in-process ceiling (batch {ceiling['best_batch']}): {ceiling['images_per_s']:.1f}/s")
+    ticks = sorted({s["connections"] for mode in result["modes"].values() for s in mode["steps"]})
+    for ax, title, unit in ((left, "Throughput", "images/s"), (right, "p99 latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("connections")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylim(bottom=0)
+    load = result["machine"]["load_average_start"]
+    fig.suptitle(f"{Path(result['model']).name}, 640x480 JPEG, {result['machine']['cpus']} CPUs, "
+                 f"load average at start {load[0]:.2f} (shared machine)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def smoke_problems(result: dict, out: Path) -> list[str]:
+    """Return what is wrong with a smoke run: missing files, errors, numbers that make no sense."""
+    problems = [f"{name} was not written" for name in ("bench.json", "bench.png") if not (out / name).exists()]
+    if not result["ceiling"]["images_per_s"] > 0:
+        problems.append("the ceiling is not a positive rate")
+    for mode in result["modes"].values():
+        for step in mode["steps"]:
+            where = f"{mode['mode']} at {step['connections']} connections"
+            lat = step["latency_ms"]
+            if step["error_total"]:
+                problems.append(f"{where}: {step['error_total']} errors {step['statuses']} {step['errors']}")
+            if not step["images_per_s"] > 0:
+                problems.append(f"{where}: no throughput")
+            if lat["p50"] is None or not 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]:
+                problems.append(f"{where}: latency percentiles out of order {lat}")
+            if not step["rss_mb"] > 0:
+                problems.append(f"{where}: no server RSS")
+    return problems
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="model base path (default: shapes, else faces)")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="output folder")
+    parser.add_argument("--compare", action="store_true", help="also sweep with batching off")
+    parser.add_argument("--smoke", action="store_true", help="short CI mode: concurrency 1 and 4, tiny steps")
+    parser.add_argument("--concurrency", default=None, help="comma-separated connections (default 1,4,16,64,128)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per step (default 20, smoke 1.5)")
+    parser.add_argument("--warmup", type=float, default=None, help="seconds of warm-up load (default 3)")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="loadgen per-request timeout (s)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a server setting for both sweeps, e.g. --set max_batch_size=16 (repeatable)")
+    parser.add_argument("--profile-at", type=int, default=None, metavar="CONNECTIONS",
+                        help="after the sweep, profile the server with py-spy during one more step at this many "
+                             "connections (batching on)")
+    parser.add_argument("--ceiling-seconds", type=float, default=None, help="seconds per ceiling batch size")
+    parser.add_argument("--ceiling-batches", default=None, help="batch sizes for the ceiling (default 1..32)")
+    parser.add_argument("--images", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ceiling-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ceiling-json", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.model = (args.model or default_model()).resolve()
+    if args.concurrency:
+        args.concurrency = tuple(int(c) for c in args.concurrency.split(","))
+    else:
+        args.concurrency = SMOKE_SWEEP if args.smoke else SWEEP
+    args.duration = args.duration or (1.5 if args.smoke else 20.0)
+    args.warmup = args.warmup or (0.5 if args.smoke else 3.0)
+    args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.smoke else 5.0)
+    args.ceiling_batches = (tuple(int(b) for b in args.ceiling_batches.split(",")) if args.ceiling_batches
+                            else ((1, 4) if args.smoke else CEILING_BATCHES))
+    args.settings = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set takes NAME=VALUE, not {item!r}")
+        args.settings[name.strip()] = value.strip()
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.ceiling_only:
+        result = measure_ceiling(args.model, args.images, args.ceiling_batches, args.ceiling_seconds)
+        args.ceiling_json.write_text(json.dumps(result, indent=1))
+        return 0
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    load_start = load_average()
+    print(f"bench: model {args.model}, output {out}; load average {load_start} on {os.cpu_count()} CPUs "
+          "(a shared machine: figures are noisy)", file=sys.stderr, flush=True)
+    try:
+        images = make_images(out / "images")
+        print("measuring the in-process ceiling (decode + model, no HTTP)", file=sys.stderr, flush=True)
+        ceiling = run_ceiling(args.model, images, out / "ceiling.json", args.ceiling_batches, args.ceiling_seconds)
+        ceiling["load_average"] = load_average()
+        print(f"  ceiling {ceiling['images_per_s']:.2f} images/s at batch {ceiling['best_batch']}; single image "
+              f"{ceiling['single_image_ms_p50']:.1f} ms (decode {ceiling['decode_ms_p50']:.1f} ms)",
+              file=sys.stderr, flush=True)
+        base = {"model": str(args.model), "log_level": "INFO", **args.settings}
+        modes = {"batching": sweep("batching", base, args, images, out)}
+        if args.compare:
+            modes["no_batching"] = sweep("no_batching", {**base, "max_batch_size": 1}, args, images, out)
+    except (RuntimeError, OSError, ValueError) as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
+    result = {
+        "model": str(args.model),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "seconds": round(time.time() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": load_average()},
+        "step_duration_s": args.duration,
+        "images": {"count": len(list(images.glob("*.jpg"))), "size": list(IMAGE_SIZE), "format": "JPEG q90"},
+        "ceiling": ceiling,
+        "modes": modes,
+    }
+    result["targets"] = evaluate_targets(ceiling, modes)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}", file=sys.stderr)
+    for target in result["targets"]:
+        verdict = "met" if target["met"] else "NOT met"
+        print(f"  target {verdict}: {target['target']}: measured {target['measured']}, needed {target['needed']}",
+              file=sys.stderr)
+    if args.smoke:
+        problems = smoke_problems(result, out)
+        for problem in problems:
+            print(f"smoke check failed: {problem}", file=sys.stderr)
+        if problems:
+            return 1
+        print("smoke checks passed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
