@@ -2,8 +2,9 @@
 
 N connections each send one request, read the whole answer, and send the next (closed loop), until
 the duration or the request count is reached; the requests in flight then finish (up to the request
-timeout). With `--rate`, the connections take send times from one shared schedule of evenly spaced
-slots, so the offered load is the rate as long as a connection is free at each slot (a late send is
+timeout). With `--rate`, the connections take send times from one shared schedule of slots, evenly
+spaced or, with `--arrivals poisson`, at exponential gaps (seeded) as from many independent
+clients; the offered load is the rate as long as a connection is free at each slot (a late send is
 counted, never dropped). Each image is POSTed as a raw `image/jpeg` (or png) body.
 
 It reports counts per status, connection failures by kind (refused, reset, closed before a whole
@@ -21,6 +22,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -47,6 +49,8 @@ class LoadPlan:
     duration_s: float = 10.0  # stop starting requests after this (s)
     requests: int = MAX_REQUESTS  # stop starting requests after this many
     rate: Optional[float] = None  # requests/s over all connections; None: as fast as answers come
+    arrivals: str = "uniform"  # with a rate: "uniform" gaps of 1/rate, or "poisson" (exponential gaps)
+    seed: int = 0  # for poisson gaps
     timeout_s: float = 60.0  # one request, send to last byte (s)
     start_delay_s: float = 0.0  # wait this long before the first request (s)
     path: str = "/detect"
@@ -65,6 +69,8 @@ class LoadPlan:
             raise ValueError(f"requests must be 1 to {MAX_REQUESTS}")
         if self.rate is not None and not 0 < self.rate <= 100_000:
             raise ValueError("rate must be above 0 and at most 100000 requests/s")
+        if self.arrivals not in ("uniform", "poisson"):
+            raise ValueError("arrivals must be uniform or poisson")
         if not 0 < self.timeout_s <= 600 or not 0 <= self.start_delay_s <= MAX_DURATION_S:
             raise ValueError("timeout must be in (0, 600] s and the start delay in [0, 3600] s")
         if not self.path.startswith("/"):
@@ -180,14 +186,18 @@ async def _run(plan: LoadPlan, progress: Optional[str]) -> dict:
     t0 = clock()
     end = t0 + plan.duration_s
     interval = 1.0 / plan.rate if plan.rate else 0.0
+    gaps = random.Random(plan.seed)
+    schedule = {"next": t0}
 
     def next_send() -> Optional[tuple[int, float]]:
         """Claim the next request; return its number and slot time (t0 when unpaced), or None to stop."""
         k = tally.started
-        slot = t0 + k * interval
+        slot = schedule["next"]
         if k >= plan.requests or slot >= end or clock() >= end:
             return None
         tally.started += 1
+        if interval:
+            schedule["next"] += gaps.expovariate(plan.rate) if plan.arrivals == "poisson" else interval
         return k, slot
 
     async def worker() -> None:
@@ -309,7 +319,8 @@ def _summary(plan: LoadPlan, tally: _Tally, t0: float, started_wall: float) -> d
     return {
         "plan": {"port": plan.port, "path": plan.path, "connections": plan.connections,
                  "duration_s": plan.duration_s, "requests": plan.requests if plan.requests < MAX_REQUESTS else None,
-                 "rate": plan.rate, "timeout_s": plan.timeout_s, "bodies": len(plan.bodies),
+                 "rate": plan.rate, "arrivals": plan.arrivals if plan.rate else None,
+                 "timeout_s": plan.timeout_s, "bodies": len(plan.bodies),
                  "body_bytes_mean": round(sum(len(b) for b, _ in plan.bodies) / len(plan.bodies))},
         "started_at": started_wall,  # wall clock (time.time()) at the schedule's start
         "stopped_sending_s": round(tally.stopped_sending - t0, 3),  # since the start
@@ -349,7 +360,8 @@ def read_bodies(folder: Path) -> tuple[tuple[bytes, str], ...]:
 
 def spawn(port: int, images: Path, out: Path, connections: int, duration_s: float,
           requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
-          start_delay_s: float = 0.0, records: bool = False, label: Optional[str] = None) -> subprocess.Popen:
+          start_delay_s: float = 0.0, records: bool = False, label: Optional[str] = None,
+          arrivals: str = "uniform", seed: int = 0) -> subprocess.Popen:
     """Start the load generator in a process of its own, writing its JSON summary to `out`."""
     args = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--images", str(images),
             "--connections", str(connections), "--duration", f"{duration_s:g}", "--timeout", f"{timeout_s:g}",
@@ -357,7 +369,7 @@ def spawn(port: int, images: Path, out: Path, connections: int, duration_s: floa
     if requests is not None:
         args += ["--requests", str(requests)]
     if rate is not None:
-        args += ["--rate", f"{rate:.4f}"]
+        args += ["--rate", f"{rate:.4f}", "--arrivals", arrivals, "--seed", str(seed)]
     if start_delay_s:
         args += ["--start-delay", f"{start_delay_s:g}"]
     if records:
@@ -389,6 +401,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load (at most 3600)")
     parser.add_argument("--requests", "-n", type=int, default=None, help="stop after this many requests")
     parser.add_argument("--rate", type=float, default=None, help="pace sends at this many requests/s in all")
+    parser.add_argument("--arrivals", choices=("uniform", "poisson"), default="uniform",
+                        help="with --rate: even gaps, or exponential gaps as from independent clients")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the poisson gaps")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
     parser.add_argument("--start-delay", type=float, default=0.0, help="wait before starting (s)")
     parser.add_argument("--records", action="store_true", help="include every request in the JSON")
@@ -397,8 +412,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     requests = MAX_REQUESTS if args.requests is None else args.requests
     plan = LoadPlan(port=args.port, bodies=read_bodies(args.images), connections=args.connections,
-                    duration_s=args.duration, requests=requests, rate=args.rate, timeout_s=args.timeout,
-                    start_delay_s=args.start_delay, path=args.path)
+                    duration_s=args.duration, requests=requests, rate=args.rate, arrivals=args.arrivals,
+                    seed=args.seed, timeout_s=args.timeout, start_delay_s=args.start_delay, path=args.path)
     try:
         plan.check()
     except ValueError as exc:

@@ -1,9 +1,10 @@
 """Drive the service at 4x its sustainable load and check that it stays honest and recovers.
 
 1. Sizing (unless --max-queue is given), on a server whose queue cannot fill: capacity from a
-   closed loop at 2 x max_batch_size connections; the 1x load is `--load-fraction` of it, paced
-   (lowered, at most twice, while any 503 comes back, so 1x is a load the service sustains with a
-   low p99); max_queue is then what the model clears in 3/4 of the 1x p99 (`size_queue`).
+   closed loop at 2 x max_batch_size connections; the 1x load is `--load-fraction` of it, sent at
+   exponential gaps as from independent clients (`--arrivals uniform`: even gaps), and lowered, at
+   most twice, while any 503 comes back, so 1x is a load the service sustains with a low p99;
+   max_queue is then what the model clears in 3/4 of the 1x p99 (`size_queue`).
 2. On a server with the chosen settings (printed; see `overload_settings`): the 1x load again,
    then four times its rate for `--duration` seconds; as that stops, a probe at the 1x rate starts
    in another process and watches latency come back.
@@ -92,6 +93,9 @@ def main(argv=None) -> int:
     parser.add_argument("--load-fraction", type=float, default=0.7, help="1x load as a share of capacity")
     parser.add_argument("--factor", type=float, default=4.0, help="overload as a multiple of 1x (default 4)")
     parser.add_argument("--connections", type=int, default=48, help="connections for the overload")
+    parser.add_argument("--arrivals", choices=("poisson", "uniform"), default="poisson",
+                        help="gaps between sends: exponential, as from independent clients (default), or even "
+                             "(a 1x with almost no queueing: the strictest baseline for the p99 check)")
     parser.add_argument("--probe-duration", type=float, default=None,
                         help="seconds the recovery probe runs after the load stops (default 12)")
     parser.add_argument("--http-threads", type=int, default=None, help="server http_threads (default connections+16)")
@@ -167,7 +171,8 @@ def measure_1x(server, images: Path, out: Path, effective: dict, args, measure_s
     base = None
     for _ in range(3):
         print(f"{tag}: 1x load: {rate:.2f} requests/s for {base_s:g} s", file=sys.stderr, flush=True)
-        base = bench.drive(server, images, out / f"base-{tag}.json", "1x", connections, base_s, rate=rate)
+        base = bench.drive(server, images, out / f"base-{tag}.json", "1x", connections, base_s, rate=rate,
+                           arrivals=args.arrivals)
         if base["statuses"].get("503", 0) == 0 and base["error_total"] == 0:
             break
         rate *= 0.8  # the service did not sustain it: lower the 1x load
@@ -181,15 +186,15 @@ def run_overload(server, images: Path, out: Path, args, measured: dict, probe_s:
     capacity, base, rate = measured["capacity"], measured["base"], measured["rate"]
     p50_1x, p99_1x = base["latency_ms"]["p50"], base["latency_ms"]["p99"]
     over_rate = args.factor * rate
-    print(f"{args.factor:g}x load: {over_rate:.2f} requests/s on {args.connections} connections for "
+    print(f"{args.factor:g}x load: {over_rate:.2f} requests/s ({args.arrivals} arrivals) on {args.connections} connections for "
           f"{args.duration:g} s, then a probe at 1x for {probe_s:g} s", file=sys.stderr, flush=True)
     over_out, probe_out = out / "overload-load.json", out / "probe.json"
     load_before = bench.load_average()
     with bench.StatsSampler(server) as sampler:
         over = loadgen.spawn(server.port, images, over_out, args.connections, args.duration, rate=over_rate,
-                             timeout_s=60.0, records=True, label=f"{args.factor:g}x")
+                             timeout_s=60.0, records=True, label=f"{args.factor:g}x", arrivals=args.arrivals, seed=1)
         probe = loadgen.spawn(server.port, images, probe_out, measured["connections"], probe_s, rate=rate,
-                              timeout_s=60.0,
+                              timeout_s=60.0, arrivals=args.arrivals, seed=2,
                               start_delay_s=args.duration, records=True, label="probe")
         over_result = loadgen.collect(over, over_out, args.duration + 120)
         probe_result = loadgen.collect(probe, probe_out, args.duration + probe_s + 120)
@@ -221,6 +226,7 @@ def run_overload(server, images: Path, out: Path, args, measured: dict, probe_s:
         "model": str(args.model),
         "load_average": {"start": load_before, "end": bench.load_average()},
         "capacity": _brief(capacity), "base": _brief(base), "rate_1x": round(rate, 2),
+        "arrivals": args.arrivals,
         "overload": {**_brief(over_result), "rate": round(over_rate, 2), "connections": args.connections,
                      "duration_s": args.duration, "latency_ms_by_status": over_result["latency_ms_by_status"],
                      "late_sends": over_result["late_sends"], "max_lateness_ms": over_result["max_lateness_ms"],
