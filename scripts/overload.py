@@ -60,6 +60,20 @@ def size_queue(capacity_per_s: float, p99_1x_ms: float) -> int:
     return max(1, int(QUEUE_WAIT_SHARE * capacity_per_s * p99_1x_ms / 1000.0))
 
 
+def choose_max_queue(images: Path, out: Path, args, measure_s: float, base_s: float) -> tuple[int, dict]:
+    """Measure capacity and 1x on a server whose queue cannot fill; return the sized queue and the figures."""
+    effective = bench.write_settings(out / "server.toml", overload_settings(args, PROVISIONAL_QUEUE))
+    server = bench.ServerProcess.start(out / "server.toml", out / "sizing-server.log")
+    try:
+        sizing = measure_1x(server, images, out, effective, args, measure_s, base_s, "sizing")
+    finally:
+        server.stop()
+    max_queue = size_queue(sizing["capacity"]["ok_per_s"], sizing["base"]["latency_ms"]["p99"])
+    print(f"   max_queue = {QUEUE_WAIT_SHARE:g} x {sizing['capacity']['ok_per_s']:.2f} images/s x 1x p99 "
+          f"{sizing['base']['latency_ms']['p99']:.0f} ms = {max_queue} images", file=sys.stderr)
+    return max_queue, sizing
+
+
 def recovery(probe: dict, offset_s: float, p50_1x: float, p99_1x: float) -> dict:
     """Find when the probe's latency is back to normal; `offset_s` is the probe's start after the load stopped.
 
@@ -118,16 +132,7 @@ def main(argv=None) -> int:
               "(shared machine)", file=sys.stderr)
         max_queue, sizing = args.max_queue, None
         if max_queue is None:
-            # Size the queue from the service's own figures, on a server whose queue never fills at 1x.
-            effective = bench.write_settings(out / "server.toml", overload_settings(args, PROVISIONAL_QUEUE))
-            server = bench.ServerProcess.start(out / "server.toml", out / "sizing-server.log")
-            try:
-                sizing = measure_1x(server, images, out, effective, args, measure_s, base_s, "sizing")
-            finally:
-                server.stop()
-            max_queue = size_queue(sizing["capacity"]["ok_per_s"], sizing["base"]["latency_ms"]["p99"])
-            print(f"   max_queue = {QUEUE_WAIT_SHARE:g} x {sizing['capacity']['ok_per_s']:.2f} images/s x 1x p99 "
-                  f"{sizing['base']['latency_ms']['p99']:.0f} ms = {max_queue} images", file=sys.stderr)
+            max_queue, sizing = choose_max_queue(images, out, args, measure_s, base_s)
         effective = bench.write_settings(out / "server.toml", overload_settings(args, max_queue))
         print("server settings for the overload run: " + ", ".join(
             f"{k}={effective[k]}" for k in ("http_threads", "max_queue", "request_deadline_s", "max_batch_size",
@@ -186,13 +191,14 @@ def run_overload(server, images: Path, out: Path, args, measured: dict, probe_s:
     capacity, base, rate = measured["capacity"], measured["base"], measured["rate"]
     p50_1x, p99_1x = base["latency_ms"]["p50"], base["latency_ms"]["p99"]
     over_rate = args.factor * rate
-    print(f"{args.factor:g}x load: {over_rate:.2f} requests/s ({args.arrivals} arrivals) on {args.connections} connections for "
-          f"{args.duration:g} s, then a probe at 1x for {probe_s:g} s", file=sys.stderr, flush=True)
+    print(f"{args.factor:g}x load: {over_rate:.2f} requests/s ({args.arrivals} arrivals) on {args.connections} "
+          f"connections for {args.duration:g} s, then a probe at 1x for {probe_s:g} s", file=sys.stderr, flush=True)
     over_out, probe_out = out / "overload-load.json", out / "probe.json"
     load_before = bench.load_average()
     with bench.StatsSampler(server) as sampler:
         over = loadgen.spawn(server.port, images, over_out, args.connections, args.duration, rate=over_rate,
-                             timeout_s=60.0, records=True, label=f"{args.factor:g}x", arrivals=args.arrivals, seed=1)
+                             timeout_s=60.0, records=True, label=f"{args.factor:g}x", arrivals=args.arrivals,
+                             seed=1)
         probe = loadgen.spawn(server.port, images, probe_out, measured["connections"], probe_s, rate=rate,
                               timeout_s=60.0, arrivals=args.arrivals, seed=2,
                               start_delay_s=args.duration, records=True, label="probe")
