@@ -498,7 +498,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.2))
     for mode, style in (("batching", "o-"), ("no_batching", "s--")):
         steps = result["modes"].get(mode, {}).get("steps")
         if not steps:
@@ -507,11 +507,17 @@ def plot(result: dict, path: Path) -> None:
         label = "batching on" if mode == "batching" else "batching off (max_batch_size=1)"
         left.plot(xs, [s["images_per_s"] for s in steps], style, label=label)
         right.plot(xs, [s["latency_ms"]["p99"] or 0 for s in steps], style, label=label)
+        third.plot(xs, [s.get("images_per_server_cpu_s") or 0 for s in steps], style, label=label)
     ceiling = result["ceiling"]
     left.axhline(ceiling["images_per_s"], color="grey", linestyle=":",
                  label=f"in-process ceiling (batch {ceiling['best_batch']}): {ceiling['images_per_s']:.1f}/s")
+    if ceiling.get("images_per_cpu_s"):
+        third.axhline(ceiling["images_per_cpu_s"], color="grey", linestyle=":",
+                      label=f"ceiling (batch {ceiling['best_batch']}): {ceiling['images_per_cpu_s']:.1f}")
     ticks = sorted({s["connections"] for mode in result["modes"].values() for s in mode["steps"]})
-    for ax, title, unit in ((left, "Throughput", "images/s"), (right, "p99 latency", "ms")):
+    panels = ((left, "Throughput", "images/s"), (right, "p99 latency", "ms"),
+              (third, "Throughput per CPU-second (shared machine)", "images per server CPU-second"))
+    for ax, title, unit in panels:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
@@ -520,6 +526,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    third.set_ylim(bottom=0)
     left.set_ylim(bottom=0)
     load = result["machine"]["load_average_start"]
     fig.suptitle(f"{Path(result['model']).name}, 640x480 JPEG, {result['machine']['cpus']} CPUs, "
