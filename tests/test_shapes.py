@@ -10,9 +10,13 @@ import pytest
 
 from app.__main__ import main
 from app.shapes.data import CLASSES, heldout_scenes, scene
-from app.shapes.evaluate import Prediction, coco_map
-from app.shapes.targets import encode
+from app.shapes.evaluate import Prediction, coco_map, folder_size, predict
+from app.shapes.targets import CROP_SLOTS, encode, sample_crops
+from conftest import ROOT, start_server
 from fake_tf_config import FakeTfConfig
+from images_for_tests import encode as encode_image
+
+COMMITTED = ROOT / "models" / "shapes"
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +93,23 @@ def test_targets_peak_at_each_object_centre_in_its_class_channel():
     assert heat[..., 0].max() == 0.0 and heat[..., 2].max() == 0.0
     assert np.allclose(target[32, 32], [64, 64, 192, 192])  # x0, y0, x1, y1 in input px
     assert weight[32, 32] > 0 and weight[0, 63] == 0
+
+
+def test_classifier_crops_are_jittered_objects_and_background_boxes():
+    shot = scene("train", 0, 3)
+    boxes = shot.normalized_boxes
+    crops, labels = sample_crops(boxes, shot.classes, np.random.default_rng(0))
+    assert crops.shape == (CROP_SLOTS, 4) and labels.shape == (CROP_SLOTS,)
+    objects = labels > 0
+    assert len(shot.classes) <= 8 and sorted(labels[objects]) == sorted(shot.classes)  # every object, once
+    assert (labels == 0).sum() >= 1
+    for crop, label in zip(crops, labels):
+        overlap = np.clip(np.minimum(crop[2:], boxes[:, 2:]) - np.maximum(crop[:2], boxes[:, :2]), 0, None).prod(1)
+        union = (crop[2:] - crop[:2]).prod() + (boxes[:, 2:] - boxes[:, :2]).prod(1) - overlap
+        if label == 0:
+            assert (overlap / union).max() < 0.3
+        elif label > 0:
+            assert (overlap / union).max() > 0.5
 
 
 # -- train, export, load --------------------------------------------------------------------------
@@ -199,6 +220,54 @@ def test_evaluate_writes_metrics_beside_the_model(exported, empty_config):
     assert main(["evaluate", "--model", str(exported.parent), "--images", "3", "--config", str(empty_config)]) == 0
     metrics = json.loads((exported / "metrics.json").read_text())
     assert metrics["images"] == 3 and 0.0 <= metrics["map_50"] <= 1.0 and 0.0 <= metrics["map_50_95"] <= 1.0
+    assert 0 < metrics["latency_640x480_ms"]["p50"] <= metrics["latency_640x480_ms"]["p90"]
+    assert metrics["size_bytes"] == sum(f.stat().st_size for f in exported.rglob("*") if f.is_file() and f.name != "metrics.json")
+
+
+# -- the committed model --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def committed():
+    from app.detector import load_detector
+
+    return load_detector(COMMITTED)
+
+
+def test_the_committed_model_reaches_map_50_of_0_90_on_the_500_heldout_scenes(committed):
+    import io
+
+    scenes = heldout_scenes(500)
+    metrics = coco_map(scenes, predict(committed, scenes, stream=io.StringIO()))
+    assert metrics["map_50"] >= 0.90, metrics
+    recorded = json.loads((committed.model.path / "metrics.json").read_text())
+    # What the README and metrics.json report is what the committed files give.
+    assert metrics["map_50"] == pytest.approx(recorded["map_50"], abs=0.01)
+    assert metrics["map_50_95"] == pytest.approx(recorded["map_50_95"], abs=0.01)
+
+
+def test_the_committed_model_is_at_most_10_mb_and_names_its_four_shapes(committed):
+    assert folder_size(committed.model.path) <= 10_000_000
+    assert sorted(committed.labels.values()) == sorted(CLASSES)
+    assert committed.max_batch is None  # the server may batch it
+
+
+def test_the_committed_model_served_over_http_answers_as_it_does_in_process(committed, tmp_path):
+    image = scene("heldout", 7, 3).image
+    expected = committed.detect([image], threshold=0.5, max_detections=100)[0]
+    assert expected  # the scene has shapes the model finds
+    server = start_server({"DETECT_MODEL": str(COMMITTED)}, tmp_path / "server.log")
+    try:
+        status, _, body = server.request("POST", "/detect", encode_image(image, "PNG"),
+                                         {"Content-Type": "image/png"})
+    finally:
+        assert server.stop() == 0
+    assert status == 200 and body["model"] == {"name": "shapes", "version": committed.version}
+    assert [d["label"] for d in body["detections"]] == [d.label for d in expected]
+    for got, want in zip(body["detections"], expected):
+        assert got["score"] == pytest.approx(want.score, abs=1e-3)
+        assert [got["box"][k] for k in ("x_min", "y_min", "x_max", "y_max")] == pytest.approx(
+            [want.box.x_min, want.box.y_min, want.box.x_max, want.box.y_max], abs=0.1)
 
 
 # -- settings and policy errors -------------------------------------------------------------------

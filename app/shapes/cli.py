@@ -55,7 +55,7 @@ def _with_gpu_policy(args: argparse.Namespace, command: Callable[[], int]) -> in
 def train_main(argv: list[str]) -> int:
     """Train the shapes detector; resume from the latest checkpoint in --logdir."""
     parser = _parser("train", "Train the shapes detector on generated scenes, under the GPU memory policy.")
-    parser.add_argument("--steps", type=int, default=None, help="train up to this step (default 2000)")
+    parser.add_argument("--steps", type=int, default=None, help="train up to this step (default 4000)")
     parser.add_argument("--batch-size", type=int, default=None, help="scenes per step (default 16)")
     parser.add_argument("--learning-rate", type=float, default=None, help="peak learning rate (default 2e-3)")
     parser.add_argument("--seed", type=int, default=0, help="training stream seed (default 0)")
@@ -131,7 +131,8 @@ def evaluate_main(argv: list[str]) -> int:
         count = _positive(args.images, 500, "--images")
         metrics = evaluate_model(args.model, count)
         print(f"mAP@0.5 {metrics['map_50']:.4f}  mAP@[0.5:0.95] {metrics['map_50_95']:.4f}  "
-              f"({metrics['images']} images) -> {metrics['path']}", file=sys.stderr)
+              f"({metrics['images']} images); 640x480 in {metrics['latency_640x480_ms']['p50']:.1f} ms (p50); "
+              f"{metrics['size_bytes'] / 1e6:.2f} MB -> {metrics['path']}", file=sys.stderr)
         return 0
 
     return _with_gpu_policy(args, command)

@@ -125,6 +125,29 @@ def evaluate_model(model_path: Path, count: int = 500, seed: int = HELDOUT_SEED,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "evaluator": "pycocotools COCOeval, iouType bbox, maxDets 100",
     }
+    metrics["latency_640x480_ms"] = single_image_latency(detector, scenes[0].image)
+    metrics["size_bytes"] = folder_size(Path(detector.model.path))
     path = Path(detector.model.path) / METRICS_FILE
     path.write_text(json.dumps(metrics, indent=2) + "\n")
     return {**metrics, "path": str(path)}
+
+
+def single_image_latency(detector, image: np.ndarray, runs: int = 50, warmup: int = 5) -> dict:
+    """Time the model alone on `image` resized to 640x480, batch 1, after warm-up; return p50/p90 in ms."""
+    from PIL import Image
+
+    frame = np.asarray(Image.fromarray(image).resize((640, 480), Image.BILINEAR))
+    for _ in range(warmup):
+        detector.infer([frame])
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        detector.infer([frame])
+        times.append((time.perf_counter() - started) * 1000.0)
+    return {"p50": round(float(np.percentile(times, 50)), 2), "p90": round(float(np.percentile(times, 90)), 2),
+            "runs": runs}
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes on disk of the model under `folder`: every file but the metrics this module writes."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.name != METRICS_FILE)

@@ -1,10 +1,12 @@
 """Export a trained shapes network as a SavedModel honouring the OD API serving contract.
 
-The graph takes uint8 images [B, H, W, 3] of any size and batch, resizes them to the network's
+The graph takes uint8 images [B, H, W, 3] of any size and batch, resizes them to the locator's
 square input (aspect ratio not kept: boxes come back normalized to the original image), runs the
-network with batch norms folded in, keeps heatmap peaks with a 3x3 max-pool (the network's NMS),
-takes the best MAX_DETECTIONS per image and decodes their boxes. Beside `saved_model.pb` go
-`label_map.pbtxt` and `model_info.json`, which declares the native input size.
+locator with batch norms folded in, keeps objectness peaks with a 3x3 max-pool (the NMS), decodes
+the best PEAKS boxes per image, crops each from the original image for the classifier, and scores
+every box for every class as objectness x class probability; the best MAX_DETECTIONS of those
+come out. Beside `saved_model.pb` go `label_map.pbtxt` and `model_info.json`, which declares the
+locator's native input size.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 import tensorflow as tf
 
 from .data import CLASSES
-from .model import NetConfig, box_distances, cell_centres, fold, preprocess
+from .model import CROP_SIZE, NetConfig, box_distances, cell_centres, crop_objects, fold, preprocess
 from .train import load_net
 
-MAX_DETECTIONS = 100
+PEAKS = 20  # boxes per image the classifier looks at; scenes hold at most 10 objects
+MAX_DETECTIONS = 80  # PEAKS x 4 classes
 MIN_SCORE = 0.01  # num_detections counts the outputs scored at least this; the rest is padding
 INFO_FILE = "model_info.json"
 
@@ -36,22 +39,29 @@ class ShapesDetector(tf.Module):
     def detect(self, input_tensor):
         config = self.config
         grid, classes, size = config.grid, config.classes, config.input_size
-        heat_logits, raw = self.net(preprocess(input_tensor, size), training=False)
-        heat = tf.sigmoid(heat_logits)
-        peaks = tf.where(tf.equal(heat, tf.nn.max_pool2d(heat, 3, 1, "SAME")), heat, tf.zeros_like(heat))
+        heat_logits, raw = self.net.locator(preprocess(input_tensor, size), training=False)
+        heat = tf.sigmoid(heat_logits)[..., 0]
+        peaks = tf.where(tf.equal(heat, tf.nn.max_pool2d(heat[..., None], 3, 1, "SAME")[..., 0]),
+                         heat, tf.zeros_like(heat))
         batch = tf.shape(input_tensor)[0]
-        scores, index = tf.math.top_k(tf.reshape(peaks, [batch, grid * grid * classes]), k=MAX_DETECTIONS)
-        cell, class_index = index // classes, index % classes
+        objectness, cell = tf.math.top_k(tf.reshape(peaks, [batch, grid * grid]), k=PEAKS)
         distances = box_distances(tf.gather(tf.reshape(raw, [batch, grid * grid, 4]), cell, batch_dims=1),
                                   config.box_scale)
         centres = tf.gather(tf.reshape(cell_centres(config), [grid * grid, 2]), cell)
         corners = tf.concat([centres - distances[..., :2], centres + distances[..., 2:]], axis=-1) / size
         x0, y0, x1, y1 = tf.unstack(tf.clip_by_value(corners, 0.0, 1.0), axis=-1)
+        boxes = tf.stack([y0, x0, y1, x1], axis=-1)  # [B, PEAKS, 4]
+
+        owners = tf.repeat(tf.range(batch), PEAKS)
+        crops = crop_objects(input_tensor, tf.reshape(boxes, [-1, 4]), owners)
+        probabilities = tf.nn.softmax(self.net.classifier(crops, training=False))[:, 1:]  # drop 'no shape'
+        scores = objectness[..., None] * tf.reshape(probabilities, [batch, PEAKS, classes])
+        best, index = tf.math.top_k(tf.reshape(scores, [batch, PEAKS * classes]), k=MAX_DETECTIONS)
         return {
-            "detection_boxes": tf.stack([y0, x0, y1, x1], axis=-1),
-            "detection_classes": tf.cast(class_index + 1, tf.float32),
-            "detection_scores": scores,
-            "num_detections": tf.reduce_sum(tf.cast(scores >= MIN_SCORE, tf.float32), axis=1),
+            "detection_boxes": tf.gather(boxes, index // classes, batch_dims=1),
+            "detection_classes": tf.cast(index % classes + 1, tf.float32),
+            "detection_scores": best,
+            "num_detections": tf.reduce_sum(tf.cast(best >= MIN_SCORE, tf.float32), axis=1),
         }
 
 
@@ -80,6 +90,7 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     info = {
         "input_size": {"height": config.input_size, "width": config.input_size},
         "resize": "bilinear with antialiasing to the input size, aspect ratio not kept",
+        "classifier_crop_size": {"height": CROP_SIZE, "width": CROP_SIZE},
         "output_stride": config.stride,
         "max_detections": MAX_DETECTIONS,
         "classes": list(CLASSES),

@@ -1,4 +1,4 @@
-"""The two training losses: CenterNet's focal loss on the heatmap, TTFNet's weighted GIoU on the boxes."""
+"""The training losses: CenterNet's focal loss on the heatmap, TTFNet's weighted GIoU on the boxes, crops' cross-entropy."""
 
 from __future__ import annotations
 
@@ -33,3 +33,11 @@ def box_loss(predicted, target, weight):
     hull = (tf.maximum(px1, tx1) - tf.minimum(px0, tx0)) * (tf.maximum(py1, ty1) - tf.minimum(py0, ty0))
     giou = overlap / tf.maximum(union, 1e-6) - (hull - union) / tf.maximum(hull, 1e-6)
     return tf.reduce_sum(weight * (1.0 - giou)) / (tf.reduce_sum(weight) + 1e-4)
+
+
+def classifier_loss(logits, labels):
+    """Mean cross-entropy of crop logits [N, C + 1] against labels [N]; labels -1 (unused slots) count nothing."""
+    used = labels >= 0
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.maximum(labels, 0), logits=logits)
+    weights = tf.cast(used, tf.float32)
+    return tf.reduce_sum(losses * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)

@@ -1,10 +1,14 @@
-"""The shapes network: a small conv backbone, a feature pyramid merged down to stride 4, two heads.
+"""The shapes detector: a class-agnostic CenterNet-style locator, then a small classifier on crops.
 
-It is a CenterNet-style detector with TTFNet's box head (Liu et al., "Training-Time-Friendly
-Network for Real-Time Object Detection", 2020): per class, a heatmap whose peaks are object
-centres; per location, the distances from that location to the box's four sides. TTFNet's head
-converges in far fewer steps than CenterNet's size regression, which is what training on two CPU
-cores in half an hour needs. Decoding needs no IoU-based NMS: a 3x3 max-pool keeps local peaks.
+Stage 1, the locator, sees the whole image resized to a square: a conv backbone, a feature
+pyramid merged down to stride 4, an objectness heatmap whose peaks are object centres and, per
+cell, TTFNet's distances to the box's four sides (Liu et al., "Training-Time-Friendly Network for
+Real-Time Object Detection", 2020). A 3x3 max-pool keeps the heatmap's local peaks: the NMS.
+
+Stage 2, the classifier, sees each of the best peaks' boxes (with some context) cropped from the
+original image and resized to CROP_SIZE: the shape at one scale, whatever its size in the image.
+One dense head would have to learn every shape at every scale from one centre cell per object;
+on two CPU cores in half an hour it learns where objects are long before it learns which.
 
 Plain TensorFlow (no Keras): the variables are few and named, the checkpoint is the module tree,
 and export folds each batch norm into its convolution.
@@ -16,21 +20,24 @@ from dataclasses import asdict, dataclass
 
 import tensorflow as tf
 
-BN_EPSILON = 1e-3
-BN_MOMENTUM = 0.9  # short training: moving statistics must follow the weights quickly
+from .layers import Conv, ConvBN, FoldedConv, prior_bias
+
 PRIOR_SCORE = 0.1  # the heatmap's initial score everywhere, as CenterNet starts it
+CROP_SIZE = 32  # px, square: what the classifier sees of each object
+CROP_CONTEXT = 0.15  # the crop adds this share of the box's size on each side
 
 
 @dataclass(frozen=True)
 class NetConfig:
-    """The network's shape; saved beside the checkpoints so export rebuilds the same network."""
+    """The networks' shape; saved beside the checkpoints so export rebuilds the same networks."""
 
-    input_size: int = 256  # px, square: every image is resized to this in the graph
+    input_size: int = 256  # px, square: the locator sees every image resized to this
     classes: int = 4
-    widths: tuple[int, ...] = (24, 48, 72, 96)  # channels at stride 4, 8, 16, 32
+    widths: tuple[int, ...] = (24, 48, 72, 96)  # locator channels at stride 4, 8, 16, 32
     neck: int = 40  # channels of the merged pyramid
-    head: int = 32  # channels of the stride-4 features both heads read
+    head: int = 32  # channels of the stride-4 features both locator heads read
     box_scale: float = 16.0  # px of the input per unit of the box head's output
+    classifier_widths: tuple[int, ...] = (24, 48, 64)  # at 1/2, 1/4, 1/8 of the crop
 
     @property
     def stride(self) -> int:
@@ -45,87 +52,21 @@ class NetConfig:
 
     @classmethod
     def from_json(cls, data: dict) -> "NetConfig":
-        return cls(**{**data, "widths": tuple(data["widths"])})
+        tuples = {k: tuple(data[k]) for k in ("widths", "classifier_widths") if k in data}
+        return cls(**{**data, **tuples})
 
 
-class ConvBN(tf.Module):
-    """A 3x3 or 1x1 convolution, batch norm and (optionally) ReLU."""
-
-    def __init__(self, cin: int, cout: int, kernel: int = 3, stride: int = 1, relu: bool = True, name=None):
-        super().__init__(name=name)
-        fan_in = cin * kernel * kernel
-        init = tf.random.normal([kernel, kernel, cin, cout], stddev=(2.0 / fan_in) ** 0.5)
-        self.kernel = tf.Variable(init, name="kernel")
-        self.gamma = tf.Variable(tf.ones([cout]), name="gamma")
-        self.beta = tf.Variable(tf.zeros([cout]), name="beta")
-        self.mean = tf.Variable(tf.zeros([cout]), trainable=False, name="moving_mean")
-        self.var = tf.Variable(tf.ones([cout]), trainable=False, name="moving_variance")
-        self.stride, self.relu = stride, relu
-
-    def __call__(self, x, training: bool):
-        y = tf.nn.conv2d(x, self.kernel, self.stride, "SAME")
-        # The fused op is one kernel forward and one backward, where moments + batch_normalization
-        # are a dozen passes over the activations.
-        if training:
-            y, mean, var = tf.compat.v1.nn.fused_batch_norm(
-                y, self.gamma, self.beta, epsilon=BN_EPSILON, is_training=True)
-            self.mean.assign(BN_MOMENTUM * self.mean + (1 - BN_MOMENTUM) * mean)
-            self.var.assign(BN_MOMENTUM * self.var + (1 - BN_MOMENTUM) * var)
-        else:
-            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-                y, self.gamma, self.beta, self.mean, self.var, epsilon=BN_EPSILON, is_training=False)
-        return tf.nn.relu(y) if self.relu else y
-
-    def folded(self) -> tuple[tf.Tensor, tf.Tensor]:
-        """Return (kernel, bias) of the one convolution equal to this conv + batch norm at inference."""
-        scale = self.gamma / tf.sqrt(self.var + BN_EPSILON)
-        return self.kernel * scale, self.beta - self.mean * scale
-
-
-class Conv(tf.Module):
-    """A 1x1 convolution with bias: the heads' last layer."""
-
-    def __init__(self, cin: int, cout: int, bias: float = 0.0, name=None):
-        super().__init__(name=name)
-        self.kernel = tf.Variable(tf.random.normal([1, 1, cin, cout], stddev=0.01), name="kernel")
-        self.bias = tf.Variable(tf.fill([cout], bias), name="bias")
-
-    def __call__(self, x, training: bool = False):
-        return tf.nn.conv2d(x, self.kernel, 1, "SAME") + self.bias
-
-    def folded(self) -> tuple[tf.Tensor, tf.Tensor]:
-        return self.kernel, self.bias
-
-
-class FoldedConv(tf.Module):
-    """A convolution with bias and (optionally) ReLU: a ConvBN with its batch norm folded in, for serving."""
-
-    def __init__(self, layer, name=None):
-        super().__init__(name=name)
-        kernel, bias = layer.folded()
-        self.kernel = tf.Variable(kernel, trainable=False, name="kernel")
-        self.bias = tf.Variable(bias, trainable=False, name="bias")
-        self.stride = getattr(layer, "stride", 1)
-        self.relu = getattr(layer, "relu", False)
-
-    def __call__(self, x, training: bool = False):
-        y = tf.nn.conv2d(x, self.kernel, self.stride, "SAME") + self.bias
-        return tf.nn.relu(y) if self.relu else y
-
-
-class ShapesNet(tf.Module):
-    """Image [B, S, S, 3] float in [-1, 1] -> heatmap logits [B, G, G, C] and box head output [B, G, G, 4].
+class Locator(tf.Module):
+    """Image [B, S, S, 3] in [-1, 1] -> objectness logits [B, G, G, 1] and box head output [B, G, G, 4].
 
     The stem folds each 4x4 pixel block into channels (space-to-depth) and convolves at stride 4
     straight away: convolutions of 3 input channels at full resolution are the slowest per
-    multiply-add on a CPU, forward and backward. `layers` None builds fresh trainable layers;
-    `fold` passes the folded ones of a trained network.
+    multiply-add on a CPU, forward and backward.
     """
 
-    def __init__(self, config: NetConfig, layers: dict | None = None, name="shapes_net"):
+    def __init__(self, config: NetConfig, layers: dict | None = None, name="locator"):
         super().__init__(name=name)
-        self.config = config
-        self.layers = layers if layers is not None else _fresh_layers(config)
+        self.layers = layers if layers is not None else _locator_layers(config)
 
     def __call__(self, images, training: bool):
         groups = self.layers
@@ -141,7 +82,7 @@ class ShapesNet(tf.Module):
         return groups["heat"][0](y), groups["box"][0](y)
 
 
-def _fresh_layers(config: NetConfig) -> dict:
+def _locator_layers(config: NetConfig) -> dict:
     w, n, h = config.widths, config.neck, config.head
     return {
         "stem": [ConvBN(48, w[0])],
@@ -151,21 +92,52 @@ def _fresh_layers(config: NetConfig) -> dict:
         "top": [ConvBN(w[3], n, kernel=1)],
         "lateral": [ConvBN(w[2], n, kernel=1), ConvBN(w[1], n, kernel=1), ConvBN(w[0], n, kernel=1)],
         "merge": [ConvBN(n, n), ConvBN(n, n), ConvBN(n, h)],
-        "heat": [Conv(h, config.classes, bias=-_logit(PRIOR_SCORE))],
+        "heat": [Conv(h, 1, bias=prior_bias(PRIOR_SCORE))],
         "box": [Conv(h, 4)],
     }
 
 
+class ShapeClassifier(tf.Module):
+    """Crops [N, CROP_SIZE, CROP_SIZE, 3] in [-1, 1] -> logits [N, classes + 1]; index 0 is 'no shape'."""
+
+    def __init__(self, config: NetConfig, layers: dict | None = None, name="classifier"):
+        super().__init__(name=name)
+        self.layers = layers if layers is not None else _classifier_layers(config)
+
+    def __call__(self, crops, training: bool):
+        x = tf.nn.space_to_depth(crops, 2)
+        for layer in self.layers["convs"]:
+            x = layer(x, training)
+        pooled = tf.reduce_mean(x, axis=[1, 2], keepdims=True)
+        return tf.squeeze(self.layers["out"][0](pooled), axis=[1, 2])
+
+
+def _classifier_layers(config: NetConfig) -> dict:
+    a, b, c = config.classifier_widths
+    return {
+        "convs": [ConvBN(12, a), ConvBN(a, b, stride=2), ConvBN(b, b), ConvBN(b, c, stride=2), ConvBN(c, c)],
+        "out": [Conv(c, config.classes + 1)],
+    }
+
+
+class ShapesNet(tf.Module):
+    """Both stages, checkpointed together."""
+
+    def __init__(self, config: NetConfig, locator=None, classifier=None, name="shapes_net"):
+        super().__init__(name=name)
+        self.config = config
+        self.locator = locator if locator is not None else Locator(config)
+        self.classifier = classifier if classifier is not None else ShapeClassifier(config)
+
+
 def fold(net: ShapesNet) -> ShapesNet:
     """Return the serving copy of a trained network: every batch norm folded into its convolution."""
-    layers = {group: [FoldedConv(layer) for layer in members] for group, members in net.layers.items()}
-    return ShapesNet(net.config, layers=layers, name="shapes_net_folded")
+    def folded(layers):
+        return {group: [FoldedConv(layer) for layer in members] for group, members in layers.items()}
 
-
-def _logit(p: float) -> float:
-    import math
-
-    return math.log((1 - p) / p)
+    return ShapesNet(net.config, locator=Locator(net.config, folded(net.locator.layers)),
+                     classifier=ShapeClassifier(net.config, folded(net.classifier.layers)),
+                     name="shapes_net_folded")
 
 
 def _upsample2(x):
@@ -177,6 +149,20 @@ def preprocess(images, size: int):
     """Resize uint8 images [B, H, W, 3] to [B, size, size, 3] floats in [-1, 1]; shared by training and serving."""
     resized = tf.image.resize(tf.cast(images, tf.float32), [size, size], antialias=True)
     return resized / 127.5 - 1.0
+
+
+def crop_objects(images, boxes, box_indices):
+    """Crop boxes [N, 4] (normalized ymin, xmin, ymax, xmax) widened by CROP_CONTEXT from uint8 images.
+
+    Returns [N, CROP_SIZE, CROP_SIZE, 3] floats in [-1, 1]; outside the image is mid-grey. Shared
+    by training (ground-truth boxes, jittered) and serving (the locator's boxes).
+    """
+    y0, x0, y1, x1 = tf.unstack(boxes, axis=-1)
+    dy, dx = CROP_CONTEXT * (y1 - y0), CROP_CONTEXT * (x1 - x0)
+    wide = tf.stack([y0 - dy, x0 - dx, y1 + dy, x1 + dx], axis=-1)
+    crops = tf.image.crop_and_resize(images, wide, box_indices, [CROP_SIZE, CROP_SIZE],
+                                     extrapolation_value=127.5)
+    return crops / 127.5 - 1.0
 
 
 def box_distances(raw, box_scale: float):

@@ -1,10 +1,13 @@
-"""Encode a scene's boxes as the network's training targets, after TTFNet.
+"""Encode a scene's boxes as the networks' training targets: the locator's after TTFNet, the classifier's crops.
 
 Heatmap: per class, an elliptical Gaussian around each object's centre cell (sigma = ALPHA x box
 side / 6), 1 exactly at that cell. Box targets: the object's box, at the cells inside the box
 where a second, narrower Gaussian (BETA) is high; each object's cell weights sum to log(area), so
 big objects count a little more than small ones but not in proportion to their size. Where objects
 overlap, the smaller one owns the cells.
+
+Crops: each object's box, jittered as the locator's boxes will be off, labelled with its class;
+and a few boxes on the background, labelled 0, so the classifier can veto the locator's mistakes.
 """
 
 from __future__ import annotations
@@ -61,3 +64,47 @@ def _gaussian_1d(centres: np.ndarray, peak: float, sigma: float) -> np.ndarray:
     g = np.exp(-((centres - peak) ** 2) / (2 * sigma * sigma))
     g[g < 1e-4] = 0.0
     return g.astype(np.float32)
+
+
+POSITIVE_CROPS = 8  # at most this many objects per scene teach the classifier per step
+NEGATIVE_CROPS = 2
+CROP_SLOTS = POSITIVE_CROPS + NEGATIVE_CROPS
+JITTER = 0.1  # centre shift, as a share of the box side
+SCALE_JITTER = 0.15  # log of the side's scale factor, at most
+
+
+def sample_crops(boxes: np.ndarray, classes: np.ndarray, rng: np.random.Generator):
+    """Return (crop boxes [CROP_SLOTS, 4] normalized ymin, xmin, ymax, xmax, labels [CROP_SLOTS]).
+
+    Labels are the class (1-based) for objects, 0 for background boxes, -1 for unused slots.
+    """
+    crops = np.zeros((CROP_SLOTS, 4), np.float32)
+    labels = np.full(CROP_SLOTS, -1, np.int32)
+    chosen = rng.permutation(len(boxes))[:POSITIVE_CROPS]
+    for slot, i in enumerate(chosen):
+        y0, x0, y1, x1 = boxes[i]
+        h, w = y1 - y0, x1 - x0
+        cy, cx = (y0 + y1) / 2 + rng.uniform(-JITTER, JITTER) * h, (x0 + x1) / 2 + rng.uniform(-JITTER, JITTER) * w
+        h, w = h * np.exp(rng.uniform(-SCALE_JITTER, SCALE_JITTER)), w * np.exp(rng.uniform(-SCALE_JITTER, SCALE_JITTER))
+        crops[slot] = (cy - h / 2, cx - w / 2, cy + h / 2, cx + w / 2)
+        labels[slot] = classes[i]
+    slot = len(chosen)
+    for _ in range(10 * NEGATIVE_CROPS):
+        if slot >= CROP_SLOTS:
+            break
+        h, w = np.exp(rng.uniform(np.log(0.04), np.log(0.5), size=2))
+        y0, x0 = rng.uniform(0, 1 - h), rng.uniform(0, 1 - w)
+        candidate = np.array([y0, x0, y0 + h, x0 + w], np.float32)
+        if len(boxes) == 0 or _iou(candidate, boxes).max() < 0.3:
+            crops[slot], labels[slot] = candidate, 0
+            slot += 1
+    return crops, labels
+
+
+def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    y0, x0 = np.maximum(box[0], boxes[:, 0]), np.maximum(box[1], boxes[:, 1])
+    y1, x1 = np.minimum(box[2], boxes[:, 2]), np.minimum(box[3], boxes[:, 3])
+    overlap = np.clip(y1 - y0, 0, None) * np.clip(x1 - x0, 0, None)
+    area = (box[2] - box[0]) * (box[3] - box[1])
+    areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    return overlap / (area + areas - overlap)

@@ -16,18 +16,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from ..memory_policy import tensorflow_memory_info
-from .data import scene
-from .losses import box_loss, heatmap_loss
-from .model import NetConfig, ShapesNet, box_distances, decode_boxes, preprocess
+from .data import STREAMS, scene
+from .losses import box_loss, classifier_loss, heatmap_loss
+from .model import NetConfig, ShapesNet, box_distances, crop_objects, decode_boxes, preprocess
 from .optim import Adam
 from .progress import ProgressBar
-from .targets import encode
+from .targets import CROP_SLOTS, encode, sample_crops
 
 BOX_LOSS_WEIGHT = 5.0  # TTFNet's balance of the box loss against the heatmap loss
+CROP_STREAM = len(STREAMS)  # seeds the crops' jitter apart from every scene stream
 CONFIG_FILE = "net_config.json"
 
 # tf.summary.scalar lives in the tensorboard package, which serving does not need; tf.summary.write
@@ -39,7 +41,7 @@ _SCALAR_METADATA = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMe
 class TrainConfig:
     """How to train: the schedule and where to write; the network's shape is NetConfig."""
 
-    steps: int = 2000
+    steps: int = 4000
     batch_size: int = 16
     learning_rate: float = 2e-3  # peak, after warm-up; cosine decay to 2% of it at the last step
     warmup_steps: int = 100
@@ -66,27 +68,36 @@ def learning_rate(step, config: TrainConfig):
 
 
 def training_batches(net_config: NetConfig, seed: int, batch_size: int, start_step: int) -> tf.data.Dataset:
-    """Return batches (images, heatmaps, box targets, box weights) from step `start_step` on."""
-    grid, stride, classes = net_config.grid, net_config.stride, net_config.classes
+    """Return batches (images, heatmaps, box targets, box weights, crops, crop labels) from `start_step` on."""
+    grid, stride = net_config.grid, net_config.stride
 
     def examples():
         index = start_step * batch_size
         while True:
             shot = scene("train", seed, index)
-            heat, target, weight = encode(shot.normalized_boxes, shot.classes, grid, stride, classes)
-            yield shot.image, heat, target, weight
+            boxes = shot.normalized_boxes
+            heat, target, weight = encode(boxes, np.ones_like(shot.classes), grid, stride, 1)
+            crops, labels = sample_crops(boxes, shot.classes, np.random.default_rng([CROP_STREAM, seed, index]))
+            yield shot.image, heat, target, weight, crops, labels
             index += 1
 
     signature = (
         tf.TensorSpec([None, None, 3], tf.uint8),
-        tf.TensorSpec([grid, grid, classes], tf.float32),
+        tf.TensorSpec([grid, grid, 1], tf.float32),
         tf.TensorSpec([grid, grid, 4], tf.float32),
         tf.TensorSpec([grid, grid], tf.float32),
+        tf.TensorSpec([CROP_SLOTS, 4], tf.float32),
+        tf.TensorSpec([CROP_SLOTS], tf.int32),
     )
     size = net_config.input_size
+
+    def prepare(image, heat, target, weight, crop_boxes, labels):
+        crops = crop_objects(image[None], crop_boxes, tf.zeros([CROP_SLOTS], tf.int32))
+        return preprocess(image[None], size)[0], heat, target, weight, crops, labels
+
     return (
         tf.data.Dataset.from_generator(examples, output_signature=signature)
-        .map(lambda image, *rest: (preprocess(image, size), *rest), num_parallel_calls=2, deterministic=True)
+        .map(prepare, num_parallel_calls=2, deterministic=True)
         .batch(batch_size, drop_remainder=True)
         .prefetch(2)
     )
@@ -114,19 +125,22 @@ class Trainer:
         return int(self.step.numpy())
 
     @tf.function(reduce_retracing=True)
-    def train_step(self, images, heat_target, box_target, box_weight):
+    def train_step(self, images, heat_target, box_target, box_weight, crops, crop_labels):
         lr = learning_rate(self.step, self.config)
         with tf.GradientTape() as tape:
-            heat_logits, raw = self.net(images, training=True)
+            heat_logits, raw = self.net.locator(images, training=True)
             heat = heatmap_loss(heat_logits, heat_target)
             boxes = decode_boxes(box_distances(raw, self.net_config.box_scale), self.net_config)
             box = box_loss(boxes, box_target, box_weight)
-            loss = heat + BOX_LOSS_WEIGHT * box
+            flat_crops = tf.reshape(crops, [-1, *crops.shape[2:]])
+            classes = classifier_loss(self.net.classifier(flat_crops, training=True), tf.reshape(crop_labels, [-1]))
+            loss = heat + BOX_LOSS_WEIGHT * box + classes
         grads = tape.gradient(loss, self.variables)
         grads, _ = tf.clip_by_global_norm(grads, 10.0)
         self.optimizer.apply(grads, lr)
         self.step.assign_add(1)
-        return {"loss": loss, "heatmap_loss": heat, "box_loss": box, "learning_rate": lr}
+        return {"loss": loss, "heatmap_loss": heat, "box_loss": box, "classifier_loss": classes,
+                "learning_rate": lr}
 
     def run(self, stream: Optional[TextIO] = None) -> int:
         """Train from the latest checkpoint to `config.steps`; return the step reached."""
