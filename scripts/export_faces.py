@@ -233,9 +233,22 @@ def build_detector(weights: dict[str, list[np.ndarray]]):
             boxes, scores = sort_and_nms(boxes, scores, NMS_PNET_ACROSS_SCALES)
             return to_square(boxes)
 
+        def on_crops(self, net, image, boxes, size: int):
+            """Run R-Net or O-Net on size x size crops of `boxes`; no boxes, no call: empty heads.
+
+            oneDNN's convolution (TensorFlow's default on CPUs with AVX-512 VNNI or AMX) answers an
+            empty batch with its input's shape, which the next layer cannot take; so never call it
+            on none.
+            """
+            def run():
+                out = net(crops(image, boxes, size))
+                return {"box": out["box"], "face": out["face"]}
+
+            return tf.cond(tf.shape(boxes)[0] > 0, run, lambda: {"box": tf.zeros([0, 4]), "face": tf.zeros([0])})
+
         def refinement(self, image, boxes):
             """Stage 2: R-Net on 24x24 crops rescores and regresses; keep > 0.7, NMS, squared."""
-            out = self.rnet(crops(image, boxes, 24))
+            out = self.on_crops(self.rnet, image, boxes, 24)
             boxes, scores = refine(boxes, out["box"]), out["face"]
             keep = scores > THRESHOLD_RNET
             boxes, scores = sort_and_nms(tf.boolean_mask(boxes, keep), tf.boolean_mask(scores, keep), NMS_RNET)
@@ -243,7 +256,7 @@ def build_detector(weights: dict[str, list[np.ndarray]]):
 
         def output(self, image, boxes):
             """Stage 3: O-Net on 48x48 crops; keep > 0.8, NMS with overlap over the smaller box."""
-            out = self.onet(crops(image, boxes, 48))
+            out = self.on_crops(self.onet, image, boxes, 48)
             boxes, scores = refine(boxes, out["box"]), out["face"]
             keep = scores > THRESHOLD_ONET
             return sort_and_nms(tf.boolean_mask(boxes, keep), tf.boolean_mask(scores, keep), NMS_ONET, use_min=True)

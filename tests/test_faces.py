@@ -156,6 +156,13 @@ def test_images_too_small_for_the_pyramid_have_no_faces(faces, height, width):
     assert faces.detect([image], 0.0, MAX_DETECTIONS) == [[]]
 
 
+@pytest.mark.parametrize("pixel", [0, 128, 255])
+def test_a_blank_image_with_no_face_candidates_answers_no_faces(faces, pixel):
+    """No P-Net proposal: R-Net and O-Net are skipped, not run on an empty batch (which oneDNN mis-shapes)."""
+    image = np.full((480, 640, 3), pixel, np.uint8)
+    assert faces.detect([image, image], 0.0, MAX_DETECTIONS) == [[], []]
+
+
 def test_the_export_is_small():
     size = sum(f.stat().st_size for f in (MODEL / "1").rglob("*") if f.is_file())
     assert size < 5e6
