@@ -68,6 +68,10 @@ class ServiceMetrics:
         self.requests.labels(route=route, status=str(status)).inc()
         self.request_latency.labels(route=route).observe(seconds)
 
+    def observe_refusal(self, status: int) -> None:
+        """Count a /detect request refused before it reached the app (overload, shutdown)."""
+        self.requests.labels(route="/detect", status=str(status)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

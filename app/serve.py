@@ -98,7 +98,7 @@ def serve(settings: Settings) -> int:
         reactor.callWhenRunning(pool.start)
         pools.append(pool)
         resources.append(WSGIResource(reactor, pool, wsgi_app))
-    site = DetectSite(ProbeFirstRoot(*resources), settings)
+    site = DetectSite(ProbeFirstRoot(*resources), settings, on_refused=metrics.observe_refusal)
     metrics.watch_in_flight(lambda: site.in_flight)
     try:
         port = reactor.listenTCP(settings.port, site, interface=settings.host)

@@ -112,7 +112,9 @@ class Settings:
     max_image_pixels: int = _setting(
         40_000_000, _int_in(1, 2**31), "largest image, width x height, checked from the header before decoding"
     )
-    http_threads: int = _setting(16, _int_in(1, 512), "WSGI thread pool size: requests handled at once")
+    http_threads: int = _setting(
+        128, _int_in(1, 1024), "WSGI threads: /detect requests admitted at once; beyond, 503 with Retry-After"
+    )
     idle_timeout_s: float = _setting(60.0, _float_in(1.0, 3600.0), "close a connection idle this long (s)")
     shutdown_grace_s: float = _setting(
         20.0, _float_in(0.0, 600.0), "on SIGTERM, wait this long for requests in flight (s)"
@@ -127,7 +129,7 @@ class Settings:
     )
     inference_threads: int = _setting(1, _int_in(1, 64), "model calls that may run at once")
     max_queue: int = _setting(
-        64, _int_in(1, 100000), "images that may wait for the model; beyond it /detect answers 503 with Retry-After"
+        128, _int_in(1, 100000), "images that may wait for the model; beyond it /detect answers 503 with Retry-After"
     )
     request_deadline_s: float = _setting(
         30.0, _float_in(0.1, 3600.0), "longest a /detect request may wait for its answers before 504 (s)"

@@ -12,11 +12,12 @@ import io
 import json
 import logging
 import time
+from typing import Callable, Optional
 
 from twisted.internet import defer, task
 from twisted.web import http, resource, server
 
-from .errors import error_body
+from .errors import Overloaded, error_body
 from .settings import Settings
 
 access_log = logging.getLogger("app.access")
@@ -102,22 +103,27 @@ class DetectRequest(server.Request):
 
     def process(self):
         site = self.channel.site
-        if site.draining and self.path.split(b"?", 1)[0] == b"/detect":
-            # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
-            self.notifyFinish().addBoth(site.log_access, self)
-            self._answer(503, "not_ready", "the server is shutting down; retry on another instance")
-            return
+        if self.path.split(b"?", 1)[0] == b"/detect":
+            refusal = site.admit_detect()
+            if refusal is not None:
+                self.notifyFinish().addBoth(site.log_access, self)
+                self._answer(503, *refusal)
+                return
+            self.notifyFinish().addBoth(site.detect_done)
         site.in_flight += 1
         # notifyFinish fires on finish or on a lost connection; Twisted's own log call runs only on
         # finish, which a client that has read its whole answer and hung up can beat.
         self.notifyFinish().addBoth(site.request_done, self)
         super().process()
 
-    def _answer(self, status: int, code: str, message: str) -> None:
+    def _answer(self, status: int, code: str, message: str, retry_after_s: Optional[int] = None) -> None:
         body = json.dumps(error_body(code, message)).encode()
         self.setResponseCode(status)
         self.setHeader(b"content-type", b"application/json")
-        self.setHeader(b"connection", b"close")
+        if retry_after_s is not None:
+            self.setHeader(b"retry-after", str(retry_after_s).encode())
+        else:  # shutting down: this connection has no future here
+            self.setHeader(b"connection", b"close")
         self.write(body)
         self.finish()
 
@@ -197,12 +203,18 @@ class DetectChannel(http.HTTPChannel):
 
 
 class DetectSite(server.Site):
-    """The service's Site: idle timeout from the settings, request counting for a graceful drain."""
+    """The service's Site: idle timeout from the settings, admission of /detect, counting for a graceful drain.
+
+    At most `http_threads` /detect requests are admitted at once, one per WSGI thread; the next gets
+    503 with Retry-After at once, from the reactor. Without this bound, requests beyond the threads
+    would wait in Twisted's unbounded thread-pool queue, out of sight of the inference queue's bound
+    and of their deadline, and overload would show as ever-growing latency instead of 503.
+    """
 
     requestFactory = DetectRequest
     protocol = DetectChannel
 
-    def __init__(self, resource, settings: Settings):
+    def __init__(self, resource, settings: Settings, on_refused: Optional[Callable[[int], None]] = None):
         options = {}
         if "parsePOSTFormSubmission" in inspect.signature(server.Site.__init__).parameters:
             # Twisted would parse multipart and urlencoded bodies itself, in the reactor thread (stalling
@@ -211,9 +223,30 @@ class DetectSite(server.Site):
             options["parsePOSTFormSubmission"] = False
         super().__init__(resource, timeout=settings.idle_timeout_s, **options)
         self.settings = settings
-        self.in_flight = 0
+        self.in_flight = 0  # every request the app is handling, probes included
+        self.detect_in_flight = 0
         self.draining = False
         self.displayTracebacks = False
+        self._on_refused = on_refused  # called with the status of each /detect refused here
+
+    def admit_detect(self) -> Optional[tuple]:
+        """Count a /detect request in, or return why it is refused: (code, message[, retry_after_s])."""
+        if self.draining:
+            # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
+            refusal = ("not_ready", "the server is shutting down; retry on another instance")
+        elif self.detect_in_flight >= self.settings.http_threads:
+            refusal = (Overloaded.code, f"the server is handling {self.detect_in_flight} /detect requests, its "
+                       f"limit (http_threads); retry shortly", Overloaded.retry_after_s)
+        else:
+            self.detect_in_flight += 1
+            return None
+        if self._on_refused is not None:
+            self._on_refused(503)
+        return refusal
+
+    def detect_done(self, result) -> None:
+        """Count an admitted /detect request out; swallows the client-went-away failure."""
+        self.detect_in_flight -= 1
 
     def request_done(self, result, request) -> None:
         """Count a request out of flight and log it; swallows the client-went-away failure."""

@@ -40,20 +40,15 @@ QUEUE_WAIT_SHARE = 0.75  # of the 1x p99: how long an admitted image may wait in
 def overload_settings(args, max_queue: int) -> dict:
     """Return the settings under which overload is answered with 503 at once rather than queued.
 
-    - http_threads above the overload's connections: a request waiting for a WSGI thread sits in
-      Twisted's unbounded pool queue, before admission and before its deadline starts, so the
-      bounded inference queue must be the only place a request can wait;
     - max_queue sized in time (see `size_queue`): a full queue holds what the model clears in
       QUEUE_WAIT_SHARE of the 1x p99, so an admitted request waits at most about that long;
+    - http_threads, the /detect requests admitted at once, the server's default unless given;
     - request_deadline_s well above what an admitted request can wait, so a 504 means a fault.
     """
-    return {
-        "model": str(args.model),
-        "http_threads": args.http_threads or args.connections + 16,
-        "max_queue": max_queue,
-        "request_deadline_s": args.deadline,
-        **args.settings,
-    }
+    settings = {"model": str(args.model), "max_queue": max_queue, "request_deadline_s": args.deadline}
+    if args.http_threads:
+        settings["http_threads"] = args.http_threads
+    return {**settings, **args.settings}
 
 
 def size_queue(capacity_per_s: float, p99_1x_ms: float) -> int:
@@ -113,7 +108,7 @@ def main(argv=None) -> int:
                              "(a 1x with almost no queueing: the strictest baseline for the p99 check)")
     parser.add_argument("--probe-duration", type=float, default=None,
                         help="seconds the recovery probe runs after the load stops (default 12)")
-    parser.add_argument("--http-threads", type=int, default=None, help="server http_threads (default connections+16)")
+    parser.add_argument("--http-threads", type=int, default=None, help="server http_threads (default: the server's)")
     parser.add_argument("--max-queue", type=int, default=None,
                         help="server max_queue (default: sized from capacity and the 1x p99 on a first server)")
     parser.add_argument("--deadline", type=float, default=10.0, help="server request_deadline_s (default 10)")

@@ -24,8 +24,12 @@ item { id: 3 }  # no name: served as class_3
 """
 
 
-def build_blob_model(path: Path, batch: int | None = None) -> Path:
-    """Write the blob detector to `path` (a version folder) and return it."""
+def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 0) -> Path:
+    """Write the blob detector to `path` (a version folder) and return it.
+
+    `busy_products` 512x512 matrix products per call make it slow whatever the image's size (for
+    tests that need requests to stay in flight); the answers stay the same.
+    """
     import tensorflow as tf
 
     class BlobDetector(tf.Module):
@@ -57,6 +61,10 @@ def build_blob_model(path: Path, batch: int | None = None) -> Path:
                 scores.append(tf.where(present, score, 0.0))
             boxes = tf.stack(boxes, axis=1)  # [B, 3, 4]
             scores = tf.stack(scores, axis=1)  # [B, 3]
+            if busy_products:
+                product = tf.foldl(lambda m, _: tf.linalg.normalize(m @ m)[0],
+                                   tf.range(busy_products), initializer=tf.eye(512) * 0.5)
+                scores += 0.0 * tf.reduce_sum(product)  # keeps the products in the graph; adds exactly 0
             classes = tf.broadcast_to(tf.constant([1.0, 2.0, 3.0]), tf.shape(scores))
             order = tf.argsort(scores, axis=1, direction="DESCENDING", stable=True)
             return {

@@ -36,6 +36,12 @@ def blob_batch1_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def slow_blob_model_dir(tmp_path_factory) -> Path:
+    """A version folder of the blob detector that takes a second or more per call, even on a tiny image."""
+    return build_blob_model(tmp_path_factory.mktemp("models") / "slowblob" / "1", busy_products=600)
+
+
+@pytest.fixture(scope="session")
 def detector(blob_model_dir):
     from app.detector import load_detector
 

@@ -18,31 +18,69 @@ def _in_flight(server) -> int:
     return int(float(re.search(r"^detect_http_requests_in_flight (\S+)$", text, re.M).group(1))) - 1  # less this one
 
 
-def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(blob_model_dir, tmp_path):
+def test_detect_requests_beyond_http_threads_get_503_at_once_and_the_admitted_finish(blob_model_dir, tmp_path):
     server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_HTTP_THREADS": "2"}, tmp_path / "log")
-    big = encode(np.full((1000, 1000, 3), 90, np.uint8), "PNG")  # a small upload, slower to decode and run
+    big = encode(np.full((1500, 1500, 3), 90, np.uint8), "PNG")  # seconds of decoding and model per request
+    answers: list = []
+    start = threading.Barrier(12)
+
+    def send():
+        start.wait()
+        sent = time.monotonic()
+        status, headers, body = server.request("POST", "/detect", big, {"Content-Type": "image/png"})
+        answers.append((status, headers, body, time.monotonic() - sent))
+
+    senders = [threading.Thread(target=send) for _ in range(12)]
+    for thread in senders:
+        thread.start()
+    time.sleep(0.5)
+    status, _, _ = server.request("GET", "/readyz", timeout=2)  # probes have threads of their own
+    assert status == 200
+    for thread in senders:
+        thread.join(120)
+    served = [a for a in answers if a[0] == 200]
+    refused = [a for a in answers if a[0] == 503]
+    assert len(served) + len(refused) == 12 and len(served) >= 2 and len(refused) >= 1, [a[0] for a in answers]
+    for _, headers, body, seconds in refused:
+        assert headers["Retry-After"] == "1" and body["error"]["code"] == "overloaded"
+        assert "http_threads" in body["error"]["message"]
+        assert seconds < min(s for *_, s in served)  # refused at once, not after queueing
+    metrics = server.request("GET", "/metrics")[2].decode()
+    counted = re.search(r'^detect_http_requests_total\{route="/detect",status="503"\} (\S+)$', metrics, re.M)
+    assert counted and float(counted.group(1)) == len(refused)
+    assert server.stop() == 0 and "Traceback" not in server.log()
+
+
+def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(slow_blob_model_dir, tmp_path):
+    # The first request's model call takes a second or more; the other 49 arrive meanwhile and wait in the
+    # inference queue for the next call, which takes them all.
+    server = start_server({"DETECT_MODEL": str(slow_blob_model_dir), "DETECT_HTTP_THREADS": "64",
+                           "DETECT_MAX_BATCH_SIZE": "64", "DETECT_MAX_BATCH_DELAY_MS": "0"}, tmp_path / "log")
+    image = encode(np.full((64, 64, 3), 90, np.uint8), "PNG")
     results: list = []
 
     def send():
         try:
-            results.append(server.request("POST", "/detect", big, {"Content-Type": "image/png"})[0])
+            results.append(server.request("POST", "/detect", image, {"Content-Type": "image/png"})[0])
         except OSError as exc:
             results.append(exc)
 
     senders = [threading.Thread(target=send) for _ in range(50)]
     for thread in senders:
         thread.start()
-    waited = time.monotonic() + 30  # until all 50 are accepted: 2 running, the rest queued for a thread
-    while _in_flight(server) < 50 and time.monotonic() < waited:
+    waited = time.monotonic() + 30  # until all 50 are admitted
+    in_flight = 0
+    while in_flight < 50 and time.monotonic() < waited:
         time.sleep(0.02)
-    assert _in_flight(server) == 50
+        in_flight = _in_flight(server)
+    assert in_flight == 50 and not results, (in_flight, results)
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     status, _, ready = server.request("GET", "/readyz")
     assert status == 503 and "shutting down" in ready["error"]["message"]
     assert time.monotonic() - started < 1.0
-    status, _, refused = server.request("POST", "/detect", big, {"Content-Type": "image/png"})
+    status, _, refused = server.request("POST", "/detect", image, {"Content-Type": "image/png"})
     assert status == 503 and refused["error"]["code"] == "not_ready"
     for thread in senders:
         thread.join(60)
@@ -55,7 +93,7 @@ def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(bl
 
 
 def test_requests_still_running_after_the_grace_are_abandoned_and_the_process_exits(blob_model_dir, tmp_path):
-    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_HTTP_THREADS": "1",
+    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_HTTP_THREADS": "32",
                            "DETECT_SHUTDOWN_GRACE_S": "0"}, tmp_path / "log")
     big = encode(np.full((1500, 1500, 3), 90, np.uint8), "PNG")
     senders = [threading.Thread(target=lambda: _quietly(server, big)) for _ in range(20)]
