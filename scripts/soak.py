@@ -19,6 +19,7 @@ from pathlib import Path
 
 import bench
 
+SMOKE_MIN_S = 6.0  # the smoke run lasts at least this long, so samples follow the warm-up
 GROWTH_LIMIT_MB = 50.0
 
 
@@ -28,8 +29,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=bench.ROOT / "out" / "soak", help="output folder")
     parser.add_argument("--requests", type=int, default=None, help="requests in the soak (default 10000, smoke 300)")
     parser.add_argument("--fraction", type=float, default=0.7, help="soak rate as a share of capacity")
-    parser.add_argument("--connections", type=int, default=None,
-                        help="connections (default the server's http_threads)")
+    parser.add_argument("--connections", type=int, default=16, help="connections (default 16)")
     parser.add_argument("--smoke", action="store_true", help="short CI mode: 300 requests after a short warm-up")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a server setting")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         images = bench.make_images(out / "images")
         settings = bench.write_settings(out / "server.toml", {"model": str(model),
                                                               **dict(s.split("=", 1) for s in args.set)})
-        connections = args.connections or settings["http_threads"]
+        connections = min(args.connections, settings["http_threads"])
         print(f"soak: model {model}, {total} requests after {warmup} warm-up; load average "
               f"{bench.load_average()} on {os.cpu_count()} CPUs (shared machine)", file=sys.stderr, flush=True)
         server = bench.ServerProcess.start(out / "server.toml", out / "server.log")
@@ -69,10 +69,13 @@ def soak(server, images: Path, out: Path, settings: dict, total: int, warmup: in
     rate = args.fraction * capacity["ok_per_s"]
     if rate <= 0:
         raise RuntimeError(f"no capacity measured: {capacity['statuses']} {capacity['errors']}")
+    if args.smoke:
+        # A fast model would finish the few smoke requests before the warm-up's samples are over.
+        rate = min(rate, (warmup + total) / SMOKE_MIN_S)
     # Warm-up and soak are one run, so the connections stay open: the baseline is the first sample
     # taken once the warm-up requests have had their time, and every later sample must match it.
     warm_s = warmup / rate + 1.0
-    print(f"{warmup} warm-up + {total} requests at {rate:.2f}/s ({args.fraction:.0%} of {capacity['ok_per_s']:.2f}/s) "
+    print(f"{warmup} warm-up + {total} requests at {rate:.2f}/s ({rate / capacity['ok_per_s']:.0%} of {capacity['ok_per_s']:.2f}/s) "
           f"on {connections} connections: about {(warmup + total) / rate / 60:.1f} min", file=sys.stderr, flush=True)
     main_run = bench.drive(server, images, out / "soak-load.json", "soak", connections, 3600,
                            requests=warmup + total, rate=rate)
@@ -105,7 +108,7 @@ def soak(server, images: Path, out: Path, settings: dict, total: int, warmup: in
          "detail": f"{main_run['errors']}"},
     ]
     return {
-        "model": settings["model"], "fraction": args.fraction, "settings": settings, "requests": total,
+        "model": settings["model"], "fraction": round(rate / capacity["ok_per_s"], 3), "settings": settings, "requests": total,
         "warmup_requests": warmup,
         "capacity_per_s": capacity["ok_per_s"], "rate": round(rate, 2), "connections": connections,
         "achieved_per_s": main_run["requests_per_s"], "late_sends": main_run["late_sends"],
