@@ -122,10 +122,13 @@ class Settings:
     log_level: str = _setting("INFO", _log_level, "DEBUG, INFO, WARNING or ERROR")
     # Inference scheduling: batching, concurrency, admission.
     max_batch_size: int = _setting(
-        8, _int_in(1, 256), "most images in one model call (batching needs a model whose batch dimension is None)"
+        32, _int_in(1, 256), "most images in one model call (batching needs a model whose batch dimension is None)"
     )
+    # 0, as TF Serving's batch_timeout_micros and Triton's max_queue_delay_microseconds default to: a
+    # call takes the images already waiting; under load they pile up while the previous call runs.
     max_batch_delay_ms: float = _setting(
-        2.0, _float_in(0.0, 1000.0), "longest an image waits for others to share its model call (ms; 0: no waiting)"
+        0.0, _float_in(0.0, 1000.0),
+        "longest an image waits for others to share its model call (ms; 0: take the images already waiting)"
     )
     inference_threads: int = _setting(1, _int_in(1, 64), "model calls that may run at once")
     max_queue: int = _setting(
