@@ -68,16 +68,27 @@ class InferenceQueue:
         with self._cond:
             return len(self._pending)
 
+    def refusal(self, images: int = 1) -> Optional[Overloaded]:
+        """Return the Overloaded error that `images` more images would meet now, or None if they fit."""
+        with self._cond:
+            return self._refusal(images)
+
+    def _refusal(self, images: int) -> Optional[Overloaded]:
+        if len(self._pending) + images <= self._max_queue:
+            return None
+        return Overloaded(
+            f"the inference queue is full ({len(self._pending)} images waiting, at most {self._max_queue}); "
+            "retry shortly"
+        )
+
     def submit(self, images: Sequence[np.ndarray], deadline: float) -> list[Future]:
         """Queue one request's images; raise Overloaded at once if they do not fit."""
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
-            if len(self._pending) + len(images) > self._max_queue:
-                raise Overloaded(
-                    f"the inference queue is full ({len(self._pending)} images waiting, at most "
-                    f"{self._max_queue}); retry shortly"
-                )
+            refused = self._refusal(len(images))
+            if refused is not None:
+                raise refused
             self._next_request += 1
             items = [_Item(image=image, request=self._next_request, deadline=deadline) for image in images]
             self._pending.extend(items)

@@ -98,7 +98,12 @@ def serve(settings: Settings) -> int:
         reactor.callWhenRunning(pool.start)
         pools.append(pool)
         resources.append(WSGIResource(reactor, pool, wsgi_app))
-    site = DetectSite(ProbeFirstRoot(*resources), settings, on_refused=metrics.observe_refusal)
+    def queue_refusal():
+        serving = state.detector
+        return serving.queue.refusal() if serving is not None else None
+
+    site = DetectSite(ProbeFirstRoot(*resources), settings, on_refused=metrics.observe_refusal,
+                      queue_refusal=queue_refusal)
     metrics.watch_in_flight(lambda: site.in_flight)
     try:
         port = reactor.listenTCP(settings.port, site, interface=settings.host)
@@ -148,7 +153,8 @@ def serve(settings: Settings) -> int:
 
     def drain():
         state.start_draining()
-        log.info("shutting down: not ready, refusing new work, %d request(s) in flight", site.in_flight)
+        log.info("shutting down: not ready, refusing new work, %d request(s) in flight (%d /detect)",
+                 site.in_flight, site.detect_in_flight)
         return site.drain(port, settings.shutdown_grace_s)
 
     reactor.callWhenRunning(start_loading)

@@ -205,16 +205,23 @@ class DetectChannel(http.HTTPChannel):
 class DetectSite(server.Site):
     """The service's Site: idle timeout from the settings, admission of /detect, counting for a graceful drain.
 
-    At most `http_threads` /detect requests are admitted at once, one per WSGI thread; the next gets
-    503 with Retry-After at once, from the reactor. Without this bound, requests beyond the threads
-    would wait in Twisted's unbounded thread-pool queue, out of sight of the inference queue's bound
-    and of their deadline, and overload would show as ever-growing latency instead of 503.
+    At most `http_threads` /detect requests are admitted at once, one per WSGI thread, and none while
+    the inference queue is full; the others get 503 with Retry-After at once, from the reactor.
+    Without the first bound, requests beyond the threads would wait in Twisted's unbounded
+    thread-pool queue, out of sight of the inference queue's bound and of their deadline, and
+    overload would show as ever-growing latency instead of 503. Without the second, every request
+    the queue will refuse would first take a thread and decode its image: under 4x overload that
+    halved the throughput of the requests admitted.
+
+    `queue_refusal` is called in the reactor for each /detect request; it returns the Overloaded
+    error the inference queue would answer now, or None.
     """
 
     requestFactory = DetectRequest
     protocol = DetectChannel
 
-    def __init__(self, resource, settings: Settings, on_refused: Optional[Callable[[int], None]] = None):
+    def __init__(self, resource, settings: Settings, on_refused: Optional[Callable[[int], None]] = None,
+                 queue_refusal: Callable[[], Optional[Overloaded]] = lambda: None):
         options = {}
         if "parsePOSTFormSubmission" in inspect.signature(server.Site.__init__).parameters:
             # Twisted would parse multipart and urlencoded bodies itself, in the reactor thread (stalling
@@ -228,6 +235,7 @@ class DetectSite(server.Site):
         self.draining = False
         self.displayTracebacks = False
         self._on_refused = on_refused  # called with the status of each /detect refused here
+        self._queue_refusal = queue_refusal
 
     def admit_detect(self) -> Optional[tuple]:
         """Count a /detect request in, or return why it is refused: (code, message[, retry_after_s])."""
@@ -237,6 +245,8 @@ class DetectSite(server.Site):
         elif self.detect_in_flight >= self.settings.http_threads:
             refusal = (Overloaded.code, f"the server is handling {self.detect_in_flight} /detect requests, its "
                        f"limit (http_threads); retry shortly", Overloaded.retry_after_s)
+        elif (full := self._queue_refusal()) is not None:
+            refusal = (full.code, full.message, full.retry_after_s)
         else:
             self.detect_in_flight += 1
             return None
