@@ -98,6 +98,7 @@ def serve(settings: Settings) -> int:
         reactor.callWhenRunning(pool.start)
         pools.append(pool)
         resources.append(WSGIResource(reactor, pool, wsgi_app))
+
     def queue_refusal():
         serving = state.detector
         return serving.queue.refusal() if serving is not None else None

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from twisted.internet import defer, task
 from twisted.web import http, resource, server
 
-from .errors import Overloaded, error_body
+from .errors import NotReady, Overloaded, RequestError, error_body, http_status
 from .settings import Settings
 
 access_log = logging.getLogger("app.access")
@@ -107,7 +107,7 @@ class DetectRequest(server.Request):
             refusal = site.admit_detect()
             if refusal is not None:
                 self.notifyFinish().addBoth(site.log_access, self)
-                self._answer(503, *refusal)
+                self._refuse(refusal)
                 return
             self.notifyFinish().addBoth(site.detect_done)
         site.in_flight += 1
@@ -116,10 +116,12 @@ class DetectRequest(server.Request):
         self.notifyFinish().addBoth(site.request_done, self)
         super().process()
 
-    def _answer(self, status: int, code: str, message: str, retry_after_s: Optional[int] = None) -> None:
-        body = json.dumps(error_body(code, message)).encode()
-        self.setResponseCode(status)
+    def _refuse(self, error: RequestError) -> None:
+        """Answer `error` from the reactor, as the app's error handler would, without running the app."""
+        body = json.dumps(error_body(error.code, error.message)).encode()
+        self.setResponseCode(http_status(error))
         self.setHeader(b"content-type", b"application/json")
+        retry_after_s = getattr(error, "retry_after_s", None)
         if retry_after_s is not None:
             self.setHeader(b"retry-after", str(retry_after_s).encode())
         else:  # shutting down: this connection has no future here
@@ -237,21 +239,20 @@ class DetectSite(server.Site):
         self._on_refused = on_refused  # called with the status of each /detect refused here
         self._queue_refusal = queue_refusal
 
-    def admit_detect(self) -> Optional[tuple]:
-        """Count a /detect request in, or return why it is refused: (code, message[, retry_after_s])."""
+    def admit_detect(self) -> Optional[RequestError]:
+        """Count a /detect request in, or return the error that refuses it."""
         if self.draining:
             # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
-            refusal = ("not_ready", "the server is shutting down; retry on another instance")
+            refusal: Optional[RequestError] = NotReady("the server is shutting down; retry on another instance")
         elif self.detect_in_flight >= self.settings.http_threads:
-            refusal = (Overloaded.code, f"the server is handling {self.detect_in_flight} /detect requests, its "
-                       f"limit (http_threads); retry shortly", Overloaded.retry_after_s)
-        elif (full := self._queue_refusal()) is not None:
-            refusal = (full.code, full.message, full.retry_after_s)
+            refusal = Overloaded(f"the server is handling {self.detect_in_flight} /detect requests, its limit "
+                                 "(http_threads); retry shortly")
         else:
+            refusal = self._queue_refusal()
+        if refusal is None:
             self.detect_in_flight += 1
-            return None
-        if self._on_refused is not None:
-            self._on_refused(503)
+        elif self._on_refused is not None:
+            self._on_refused(http_status(refusal))
         return refusal
 
     def detect_done(self, result) -> None:
