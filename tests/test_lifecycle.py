@@ -13,9 +13,18 @@ from conftest import start_server
 from images_for_tests import encode
 
 
-def _in_flight(server) -> int:
+def _gauge(server, name: str) -> int:
+    """Read one unlabelled gauge from the server's /metrics."""
     text = server.request("GET", "/metrics")[2].decode()
-    return int(float(re.search(r"^detect_http_requests_in_flight (\S+)$", text, re.M).group(1))) - 1  # less this one
+    return int(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)))
+
+
+def _in_flight(server) -> int:
+    return _gauge(server, "detect_http_requests_in_flight") - 1  # less this /metrics request
+
+
+def _queue_depth(server) -> int:
+    return _gauge(server, "detect_queue_depth")
 
 
 def test_detect_requests_beyond_http_threads_get_503_at_once_and_the_admitted_finish(blob_model_dir, tmp_path):
@@ -78,11 +87,6 @@ def test_while_the_inference_queue_is_full_detect_gets_503_before_its_body_is_de
     status, _, body = server.request("POST", "/detect", b"not an image", {"Content-Type": "image/png"})
     assert status == 400 and body["error"]["code"] == "invalid_image"
     assert server.stop() == 0 and "Traceback" not in server.log()
-
-
-def _queue_depth(server) -> int:
-    text = server.request("GET", "/metrics")[2].decode()
-    return int(float(re.search(r"^detect_queue_depth (\S+)$", text, re.M).group(1)))
 
 
 def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(slow_blob_model_dir, tmp_path):
