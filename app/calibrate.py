@@ -1,7 +1,8 @@
 """`python -m app calibrate`: measure a model's GPU memory under load and recommend a cap.
 
-Two runs of the same synthetic load (the largest batch and image size the service admits), each in
-a fresh process, since a memory policy only takes effect before TensorFlow touches the GPU:
+Two runs of the same synthetic load (the largest batch and image size the service admits, in as many
+concurrent calls as `inference_threads` lets the service make: each call holds its own activations),
+each in a fresh process, since a memory policy only takes effect before TensorFlow touches the GPU:
 
 1. with memory growth: TensorFlow's peak (get_memory_info) and the process's NVML usage over time.
    The recommended cap is the peak plus headroom (20%).
@@ -61,6 +62,7 @@ class PhaseResult:
     width: int
     height: int
     requests: int = 0  # model calls that completed
+    concurrent: int = 1  # calls in flight at once
     seconds: float = 0.0
     samples: list[Sample] = field(default_factory=list)
     gpu_name: str = ""
@@ -101,9 +103,11 @@ def measured_overhead(result: PhaseResult, cap_mib: int) -> Optional[int]:
 
 
 def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, height: int, requests: int, *,
-            nvml_library=None, tf_config=None, tf_memory: Optional[Callable[[], list[dict]]] = None,
+            concurrent: int = 1, nvml_library=None, tf_config=None, tf_memory: Optional[Callable[[], list[dict]]] = None,
             load: Optional[Callable] = None, pid: Optional[int] = None, interval_s: float = 0.1) -> PhaseResult:
     """Apply `spec` to one GPU, load the model, run `requests` calls of one synthetic batch, and sample memory.
+
+    `concurrent` threads share the calls, as the service's inference threads do.
 
     Call in a process whose TensorFlow has not touched the GPU yet. Raise CalibrationError where
     there is no GPU; a load that fails (out of memory) comes back as PhaseResult.error.
@@ -133,7 +137,7 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
         height = detector.input_shape[1] or height  # a model with a fixed input size gets that size
         width = detector.input_shape[2] or width
         result = PhaseResult(policy=str(spec), batch=batch, width=width, height=height, gpu_name=device.name,
-                             pid_visible=False)
+                             pid_visible=False, concurrent=concurrent)
         image = np.random.default_rng(0).integers(0, 256, (1, height, width, 3), dtype=np.uint8)
         images = np.repeat(image, batch, axis=0)
         started = time.monotonic()
@@ -168,31 +172,52 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
         thread = threading.Thread(target=sampler, name="calibrate-sampler", daemon=True)
         sample()
         thread.start()
-        try:
-            for _ in range(requests):
-                detector.run(images)
-                result.requests += 1
+        unclaimed = [requests]
+        failures: list[Exception] = []
+
+        def caller():
+            while True:
+                with lock:
+                    if unclaimed[0] <= 0 or failures:
+                        return
+                    unclaimed[0] -= 1
+                try:
+                    detector.run(images)
+                except Exception as exc:  # the load itself failed: out of memory under a cap, typically
+                    with lock:
+                        failures.append(exc)
+                    return
+                with lock:
+                    result.requests += 1
                 sample()
-        except Exception as exc:  # the load itself failed: out of memory under a cap, typically
-            kind = type(exc).__name__
-            first = (str(exc).strip().splitlines() or [kind])[0]
-            result.error = (f"out of memory under {spec}: {first}" if "ResourceExhausted" in kind
-                            else f"the model failed: {kind}: {first}")
+
+        callers = [threading.Thread(target=caller, name=f"calibrate-call-{i}") for i in range(max(1, concurrent))]
+        try:
+            for call_thread in callers:
+                call_thread.start()
+            for call_thread in callers:
+                call_thread.join()
         finally:
             done.set()
             thread.join()
             result.seconds = round(time.monotonic() - started, 3)
+        if failures:
+            kind = type(failures[0]).__name__
+            first = (str(failures[0]).strip().splitlines() or [kind])[0]
+            result.error = (f"out of memory under {spec}: {first}" if "ResourceExhausted" in kind
+                            else f"the model failed: {kind}: {first}")
         sample()
         return result
     finally:
         nvml.close()
 
 
-def _phase_process(connection, spec_text, model, gpu, batch, width, height, requests) -> None:
+def _phase_process(connection, spec_text, model, gpu, batch, width, height, requests, concurrent) -> None:
     """Run `measure` in a fresh process and send back its result (or its error)."""
     logging.basicConfig(level="WARNING", stream=sys.stderr)
     try:
-        result = measure(parse_memory_spec(spec_text), model, gpu, batch, width, height, requests)
+        result = measure(parse_memory_spec(spec_text), model, gpu, batch, width, height, requests,
+                         concurrent=concurrent)
         connection.send(("ok", asdict(result)))
     except DetectError as exc:
         connection.send(("error", exc.message))
@@ -203,14 +228,14 @@ def _phase_process(connection, spec_text, model, gpu, batch, width, height, requ
 
 
 def run_phase_in_child(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, height: int,
-                       requests: int) -> PhaseResult:
+                       requests: int, concurrent: int = 1) -> PhaseResult:
     """Run one measured load in a fresh process, so its memory policy applies before TensorFlow starts."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_phase_process, args=(send, str(spec), model, gpu, batch, width, height,
-                                                           requests), name=f"calibrate-{spec}")
+                                                           requests, concurrent), name=f"calibrate-{spec}")
     process.start()
     send.close()
     try:
@@ -236,16 +261,16 @@ class Calibration:
 
 def calibrate(model: str, gpu: int, batch: int, width: int, height: int, requests: int,
               headroom_percent: float = 20.0,
-              run_phase: Callable[..., PhaseResult] = run_phase_in_child) -> Calibration:
+              run_phase: Callable[..., PhaseResult] = run_phase_in_child, concurrent: int = 1) -> Calibration:
     """Run the growth load, recommend a cap, then run under the cap to measure the overhead."""
-    growth = run_phase(MemorySpec(mode="growth"), model, gpu, batch, width, height, requests)
+    growth = run_phase(MemorySpec(mode="growth"), model, gpu, batch, width, height, requests, concurrent)
     if growth.error is not None:
         raise CalibrationError(f"the load failed with memory growth: {growth.error}")
     if growth.tf_peak_mib is None:
         raise CalibrationError("TensorFlow reported no memory figures for the GPU")
     cap = recommend_cap(growth.tf_peak_mib, headroom_percent)
     capped = run_phase(MemorySpec(mode="cap", cap_mib=cap), model, gpu, growth.batch, growth.width, growth.height,
-                       requests)
+                       requests, concurrent)
     overhead = measured_overhead(capped, cap) if capped.error is None else None
     return Calibration(growth, capped, Recommendation(cap, growth.tf_peak_mib, headroom_percent, overhead))
 
@@ -262,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image-size", type=_image_size, default=None, metavar="WxH",
                         help="synthetic image size (default: the largest max_image_pixels admits, square)")
     parser.add_argument("--requests", type=_positive, default=20, metavar="K", help="model calls per run (20)")
+    parser.add_argument("--concurrent", type=_positive, default=None, metavar="N",
+                        help="calls in flight at once (default: the inference_threads setting)")
     parser.add_argument("--headroom", type=float, default=20.0, metavar="PERCENT",
                         help="added to TensorFlow's peak for the cap (20)")
     parser.add_argument("--gpu", type=int, default=0, metavar="INDEX", help="GPU to measure on, nvidia-smi's index (0)")
@@ -316,12 +343,14 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
               f"{exc.message}. Run it on a machine with the GPU the instances will share.", file=sys.stderr)
         return 2
     batch = args.max_batch or settings.max_batch_size
+    concurrent = args.concurrent or settings.inference_threads
     side = math.isqrt(settings.max_image_pixels)
     width, height = args.image_size or (side, side)
     print(f"calibrating {args.model} ({version.name} version {version.version}) on GPU {args.gpu}: "
-          f"{args.requests} calls of up to {batch} image(s) of {width}x{height}", flush=True)
+          f"{args.requests} calls of up to {batch} image(s) of {width}x{height}, {concurrent} at once", flush=True)
     try:
-        result = calibrate(args.model, args.gpu, batch, width, height, args.requests, args.headroom, run_phase)
+        result = calibrate(args.model, args.gpu, batch, width, height, args.requests, args.headroom, run_phase,
+                           concurrent)
     except CalibrationError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2 if exc.message.startswith(NEEDS_GPU) else 1
@@ -348,8 +377,8 @@ def report(result: Calibration) -> str:
     """Describe both runs and the recommendation, one fact a line."""
     growth, capped, rec = result.growth, result.capped, result.recommendation
     lines = [
-        f"load: {growth.requests} call(s) of {growth.batch} x {growth.width}x{growth.height} on "
-        f"{growth.gpu_name or 'the GPU'} in {growth.seconds:g} s (memory growth)",
+        f"load: {growth.requests} call(s) of {growth.batch} x {growth.width}x{growth.height}, "
+        f"{growth.concurrent} at once, on {growth.gpu_name or 'the GPU'} in {growth.seconds:g} s (memory growth)",
         f"TensorFlow peak: {rec.tf_peak_mib:.1f} MiB; the process held {_mib(growth.nvml_peak_mib)} in NVML's view "
         "(growth never gives memory back)",
         f"recommended cap: {rec.cap_mib} MiB (peak + {rec.headroom_percent:g}%)",

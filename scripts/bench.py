@@ -4,7 +4,9 @@ Starts `python -m app serve` on a free port (the shapes model if one is exported
 drives it with scripts/loadgen.py in a process of its own at each concurrency, and reads the
 server's RSS, threads, descriptors and CPU time from /proc. Before that, a separate process
 measures the ceiling: decoding (app.images.decode_image) plus the model (Detector.run on stacked
-batches) on the same 640x480 JPEGs, one thread, no HTTP, at each batch size; the best is the ceiling.
+batches) on the same 640x480 JPEGs, no HTTP, at each batch size, with one thread and with two (each
+decoding its own batch and running it, so decoding overlaps model calls as in the server); the best is
+the ceiling.
 Writes bench.json and bench.png to the output folder. With --compare the sweep runs again with
 batching off (max_batch_size=1). Exit status: 0 done (targets are reported, never enforced), 1 a
 --smoke sanity check failed, 2 the bench could not run.
@@ -40,6 +42,7 @@ import loadgen  # noqa: E402  (scripts/ is on the path when run as a script)
 SWEEP = (1, 4, 16, 64, 128)
 SMOKE_SWEEP = (1, 4)
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32)
+CEILING_THREADS = (1, 2)  # the server overlaps decoding and model calls; so does the ceiling's second run
 IMAGE_SIZE = (640, 480)
 
 
@@ -234,8 +237,16 @@ def overall_statuses(result: dict) -> tuple[int, int, int]:
 
 # --- the ceiling -----------------------------------------------------------------------------------
 
-def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], seconds: float) -> dict:
-    """Time decoding plus the model on the images, one thread, no HTTP; return figures per batch size."""
+def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], seconds: float,
+                    thread_counts: tuple[int, ...] = (1,)) -> dict:
+    """Time decoding plus the model on the images, no HTTP; return figures per batch size and thread count.
+
+    With T threads, each thread decodes a batch and runs it, so one thread's decoding overlaps another's
+    model call, as the server's request threads and inference threads overlap; the best of every
+    (batch, threads) pair is the ceiling.
+    """
+    import itertools
+
     import numpy as np
 
     from app.detector import load_detector
@@ -256,57 +267,78 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
             times.append(time.perf_counter() - started)
         return times
 
+    def decoded(start: int, size: int) -> np.ndarray:
+        pixels = [decode_image(blobs[(start + j) % len(blobs)], max_pixels).pixels for j in range(size)]
+        return np.stack(pixels) if size > 1 else pixels[0][None]
+
     decode_s = timed(lambda i: decode_image(blobs[i % len(blobs)], max_pixels), at_least=len(blobs))
-    single_s = timed(lambda i: detector.run(decode_image(blobs[i % len(blobs)], max_pixels).pixels[None]),
-                     at_least=5)
-    per_batch = {}
+    single_s = timed(lambda i: detector.run(decoded(i, 1)), at_least=5)
+    per_run = {}
     limit = detector.max_batch
-    for size in batch_sizes:
+    for threads, size in itertools.product(thread_counts, batch_sizes):
         if limit is not None and size > limit:
             continue
-        detector.run(np.stack([decode_image(blobs[j % len(blobs)], max_pixels).pixels for j in range(size)]))
+        detector.run(decoded(0, size))
+        calls: list[float] = []
         model_s: list[float] = []
+        batches = itertools.count()  # next() on a count is atomic in CPython
 
-        def step(i: int) -> None:
-            pixels = [decode_image(blobs[(i * size + j) % len(blobs)], max_pixels).pixels for j in range(size)]
-            batch = np.stack(pixels) if size > 1 else pixels[0][None]
-            started = time.perf_counter()
-            detector.run(batch)
-            model_s.append(time.perf_counter() - started)
+        def worker() -> None:
+            mine = 0
+            stop = time.perf_counter() + seconds
+            while mine < 3 or time.perf_counter() < stop:
+                started = time.perf_counter()
+                batch = decoded(next(batches) * size, size)
+                model_started = time.perf_counter()
+                detector.run(batch)
+                done = time.perf_counter()
+                model_s.append(done - model_started)
+                calls.append(done - started)
+                mine += 1
 
-        cpu_started = time.process_time()
-        calls = timed(step)
-        cpu = time.process_time() - cpu_started
-        per_batch[str(size)] = {
+        wall_started, cpu_started = time.perf_counter(), time.process_time()
+        workers = [threading.Thread(target=worker, name=f"ceiling-{i}") for i in range(threads)]
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
+        wall, cpu = time.perf_counter() - wall_started, time.process_time() - cpu_started
+        key = str(size) if threads == 1 else f"{size}x{threads}"
+        per_run[key] = {
+            "batch": size,
+            "threads": threads,
             "calls": len(calls),
-            "images_per_s": round(size * len(calls) / sum(calls), 2),
+            "images_per_s": round(size * len(calls) / wall, 2),
             "call_ms_p50": round(1000 * loadgen.percentile(calls, 50), 2),
             "model_ms_p50": round(1000 * loadgen.percentile(model_s, 50), 2),
-            "model_images_per_s": round(size * len(model_s) / sum(model_s), 2),
+            "model_images_per_s": round(threads * size * len(model_s) / sum(model_s), 2),
             "images_per_cpu_s": round(size * len(calls) / cpu, 2),  # whatever CPU the shared machine gave
-            "cpu_percent": round(100 * cpu / sum(calls), 1),
+            "cpu_percent": round(100 * cpu / wall, 1),
         }
-        figures = per_batch[str(size)]
-        print(f"  ceiling: batch {size:3d}: {figures['images_per_s']:8.2f} images/s (model alone "
-              f"{figures['model_images_per_s']:.2f}/s; {figures['images_per_cpu_s']:.2f} per CPU-second at "
-              f"{figures['cpu_percent']:.0f}% CPU)", file=sys.stderr, flush=True)
-    best = max(per_batch, key=lambda k: per_batch[k]["images_per_s"])
+        figures = per_run[key]
+        print(f"  ceiling: batch {size:3d}, {threads} thread{'s' if threads > 1 else ' '}: "
+              f"{figures['images_per_s']:8.2f} images/s (model calls {figures['model_ms_p50']:.1f} ms p50; "
+              f"{figures['images_per_cpu_s']:.2f} per CPU-second at {figures['cpu_percent']:.0f}% CPU)",
+              file=sys.stderr, flush=True)
+    best = max(per_run, key=lambda k: per_run[k]["images_per_s"])
     return {
         "model": str(model), "model_max_batch": limit,
         "decode_ms_p50": round(1000 * loadgen.percentile(decode_s, 50), 2),
         "single_image_ms_p50": round(1000 * loadgen.percentile(single_s, 50), 2),  # decode + batch-1 call
-        "per_batch": per_batch,
-        "best_batch": int(best),
-        "images_per_s": per_batch[best]["images_per_s"],
-        "images_per_cpu_s": per_batch[best]["images_per_cpu_s"],
+        "per_batch": per_run,
+        "best_batch": per_run[best]["batch"],
+        "best_threads": per_run[best]["threads"],
+        "images_per_s": per_run[best]["images_per_s"],
+        "images_per_cpu_s": per_run[best]["images_per_cpu_s"],
     }
 
 
-def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: float) -> dict:
+def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: float, thread_counts) -> dict:
     """Measure the ceiling in a child process (so the bench process never hosts TensorFlow)."""
     args = [sys.executable, str(Path(__file__).resolve()), "--ceiling-only", "--model", str(model),
             "--images", str(images), "--ceiling-json", str(out), "--ceiling-seconds", f"{seconds:g}",
-            "--ceiling-batches", ",".join(str(b) for b in batch_sizes)]
+            "--ceiling-batches", ",".join(str(b) for b in batch_sizes),
+            "--ceiling-threads", ",".join(str(t) for t in thread_counts)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     code = subprocess.run(args, cwd=ROOT, env=env, stdin=subprocess.DEVNULL).returncode
     if code != 0:
@@ -510,10 +542,10 @@ def plot(result: dict, path: Path) -> None:
         third.plot(xs, [s.get("images_per_server_cpu_s") or 0 for s in steps], style, label=label)
     ceiling = result["ceiling"]
     left.axhline(ceiling["images_per_s"], color="grey", linestyle=":",
-                 label=f"in-process ceiling (batch {ceiling['best_batch']}): {ceiling['images_per_s']:.1f}/s")
+                 label=f"in-process ceiling ({_best_run(ceiling)}): {ceiling['images_per_s']:.1f}/s")
     if ceiling.get("images_per_cpu_s"):
         third.axhline(ceiling["images_per_cpu_s"], color="grey", linestyle=":",
-                      label=f"ceiling (batch {ceiling['best_batch']}): {ceiling['images_per_cpu_s']:.1f}")
+                      label=f"ceiling ({_best_run(ceiling)}): {ceiling['images_per_cpu_s']:.1f}")
     ticks = sorted({s["connections"] for mode in result["modes"].values() for s in mode["steps"]})
     panels = ((left, "Throughput", "images/s"), (right, "p99 latency", "ms"),
               (third, "Throughput per CPU-second (shared machine)", "images per server CPU-second"))
@@ -534,6 +566,11 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _best_run(ceiling: dict) -> str:
+    threads = ceiling.get("best_threads", 1)
+    return f"batch {ceiling['best_batch']}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def smoke_problems(result: dict, out: Path) -> list[str]:
@@ -571,8 +608,11 @@ def parse_args(argv):
     parser.add_argument("--profile-at", type=int, default=None, metavar="CONNECTIONS",
                         help="after the sweep, profile the server with py-spy during one more step at this many "
                              "connections (batching on)")
-    parser.add_argument("--ceiling-seconds", type=float, default=None, help="seconds per ceiling batch size")
+    parser.add_argument("--ceiling-seconds", type=float, default=None,
+                        help="seconds per ceiling batch size and thread count")
     parser.add_argument("--ceiling-batches", default=None, help="batch sizes for the ceiling (default 1..32)")
+    parser.add_argument("--ceiling-threads", default=None,
+                        help="comma-separated threads, each decoding a batch and running it (default 1,2)")
     parser.add_argument("--images", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ceiling-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ceiling-json", type=Path, default=None, help=argparse.SUPPRESS)
@@ -587,6 +627,8 @@ def parse_args(argv):
     args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.smoke else 5.0)
     args.ceiling_batches = (tuple(int(b) for b in args.ceiling_batches.split(",")) if args.ceiling_batches
                             else ((1, 4) if args.smoke else CEILING_BATCHES))
+    args.ceiling_threads = (tuple(int(t) for t in args.ceiling_threads.split(",")) if args.ceiling_threads
+                            else CEILING_THREADS)
     args.settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -599,7 +641,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.ceiling_only:
-        result = measure_ceiling(args.model, args.images, args.ceiling_batches, args.ceiling_seconds)
+        result = measure_ceiling(args.model, args.images, args.ceiling_batches, args.ceiling_seconds,
+                                 args.ceiling_threads)
         args.ceiling_json.write_text(json.dumps(result, indent=1))
         return 0
     out = args.out.resolve()
@@ -611,9 +654,11 @@ def main(argv=None) -> int:
     try:
         images = make_images(out / "images")
         print("measuring the in-process ceiling (decode + model, no HTTP)", file=sys.stderr, flush=True)
-        ceiling = run_ceiling(args.model, images, out / "ceiling.json", args.ceiling_batches, args.ceiling_seconds)
+        ceiling = run_ceiling(args.model, images, out / "ceiling.json", args.ceiling_batches, args.ceiling_seconds,
+                              args.ceiling_threads)
         ceiling["load_average"] = load_average()
-        print(f"  ceiling {ceiling['images_per_s']:.2f} images/s at batch {ceiling['best_batch']}; single image "
+        print(f"  ceiling {ceiling['images_per_s']:.2f} images/s at batch {ceiling['best_batch']} with "
+              f"{ceiling['best_threads']} thread(s); single image "
               f"{ceiling['single_image_ms_p50']:.1f} ms (decode {ceiling['decode_ms_p50']:.1f} ms)",
               file=sys.stderr, flush=True)
         base = {"model": str(args.model), "log_level": "INFO", **args.settings}
@@ -623,7 +668,8 @@ def main(argv=None) -> int:
         if not args.smoke:
             print("measuring the ceiling again (the machine is shared: its share of CPU drifts)", file=sys.stderr)
             again = run_ceiling(args.model, images, out / "ceiling-after.json",
-                                sorted({1, ceiling["best_batch"]}), args.ceiling_seconds)
+                                sorted({1, ceiling["best_batch"]}), args.ceiling_seconds,
+                                sorted({1, ceiling["best_threads"]}))
             ceiling["after_sweep"] = {"per_batch": again["per_batch"], "load_average": load_average(),
                                       "single_image_ms_p50": again["single_image_ms_p50"]}
     except (RuntimeError, OSError, ValueError) as exc:

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -66,9 +67,10 @@ class MeteredDetector:
 
 
 def _phase(detector, library, runs: list):
-    def run_phase(spec, model, gpu, batch, width, height, requests):
+    def run_phase(spec, model, gpu, batch, width, height, requests, concurrent=1):
         memory = GpuMemory(library, spec)
-        result = measure(spec, model, gpu, batch, width, height, requests, nvml_library=library,
+        result = measure(spec, model, gpu, batch, width, height, requests, concurrent=concurrent,
+                         nvml_library=library,
                          tf_config=FakeTfConfig(gpus=1), tf_memory=memory.tf_memory,
                          load=lambda path: MeteredDetector(detector, memory), pid=PID, interval_s=0.01)
         runs.append((spec, result))
@@ -118,6 +120,38 @@ def test_a_growth_run_records_tensorflows_peak_and_the_process_over_time(detecto
     assert library.shut_down
 
 
+class OverlappingGpuMemory(GpuMemory):
+    """Each call holds its activations until it ends; every caller's first call waits for the others' first."""
+
+    def __init__(self, library, spec, callers: int):
+        super().__init__(library, spec)
+        self.in_flight, self.lock = 0.0, threading.Lock()
+        self.first_calls = threading.Barrier(callers, timeout=30)
+        self.seen = threading.local()
+
+    def call(self, batch):
+        with self.lock:
+            self.in_flight += 180.0 + 10 * batch.shape[0]
+            self._set(current=20.0 + self.in_flight)
+        if not getattr(self.seen, "called", False):
+            self.seen.called = True
+            self.first_calls.wait()
+        with self.lock:
+            self.in_flight -= 180.0 + 10 * batch.shape[0]
+            self._set(current=20.0 + self.in_flight)
+
+
+def test_concurrent_calls_are_measured_together_as_the_inference_threads_make_them(detector):
+    library = FakeNvml(PID)
+    memory = OverlappingGpuMemory(library, MemorySpec("growth"), callers=2)
+    result = measure(MemorySpec("growth"), "blob", 0, 4, 64, 48, 5, concurrent=2, nvml_library=library,
+                     tf_config=FakeTfConfig(gpus=1), tf_memory=memory.tf_memory,
+                     load=lambda path: MeteredDetector(detector, memory), pid=PID, interval_s=0.01)
+    assert (result.error, result.requests, result.concurrent) == (None, 5, 2)
+    assert result.tf_peak_mib == 20.0 + 2 * 220.0  # both calls' activations at once, not one call's 240
+    assert memory.first_calls.n_waiting == 0 and not memory.first_calls.broken
+
+
 def test_a_capped_run_measures_the_overhead_beyond_the_cap(detector):
     library = FakeNvml(PID)
     spec = parse_memory_spec("288MiB")
@@ -146,7 +180,8 @@ def test_a_tensorflow_that_sees_no_gpu_cannot_calibrate():
                 tf_config=FakeTfConfig(gpus=0), tf_memory=lambda: [], load=lambda path: None)
 
 
-def test_an_out_of_memory_load_is_reported_not_raised(detector):
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_an_out_of_memory_load_is_reported_not_raised(detector, concurrent):
     class ResourceExhaustedError(Exception):
         pass
 
@@ -156,7 +191,7 @@ def test_an_out_of_memory_load_is_reported_not_raised(detector):
 
     library = FakeNvml(PID)
     memory = GpuMemory(library, parse_memory_spec("64MiB"))
-    result = measure(parse_memory_spec("64MiB"), "blob", 0, 4, 64, 48, 3, nvml_library=library,
+    result = measure(parse_memory_spec("64MiB"), "blob", 0, 4, 64, 48, 3, concurrent=concurrent, nvml_library=library,
                      tf_config=FakeTfConfig(gpus=1), tf_memory=memory.tf_memory,
                      load=lambda path: Exhausted(detector, memory), pid=PID)
     assert result.requests == 0 and result.error.startswith("out of memory under 64MiB: OOM when allocating")

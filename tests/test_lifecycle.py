@@ -62,7 +62,7 @@ def test_detect_requests_beyond_http_threads_get_503_at_once_and_the_admitted_fi
 
 def test_while_the_inference_queue_is_full_detect_gets_503_before_its_body_is_decoded(slow_blob_model_dir, tmp_path):
     server = start_server({"DETECT_MODEL": str(slow_blob_model_dir), "DETECT_MAX_QUEUE": "1",
-                           "DETECT_MAX_BATCH_SIZE": "1"}, tmp_path / "log")
+                           "DETECT_MAX_BATCH_SIZE": "1", "DETECT_INFERENCE_THREADS": "1"}, tmp_path / "log")
     image = encode(np.full((64, 64, 3), 90, np.uint8), "PNG")
     statuses: list = []
     senders = [threading.Thread(target=lambda: statuses.append(
@@ -93,7 +93,8 @@ def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(sl
     # The first request's model call takes a second or more; the other 49 arrive meanwhile and wait in the
     # inference queue for the next call, which takes them all.
     server = start_server({"DETECT_MODEL": str(slow_blob_model_dir), "DETECT_HTTP_THREADS": "64",
-                           "DETECT_MAX_BATCH_SIZE": "64", "DETECT_MAX_BATCH_DELAY_MS": "0"}, tmp_path / "log")
+                           "DETECT_MAX_BATCH_SIZE": "64", "DETECT_MAX_BATCH_DELAY_MS": "0",
+                           "DETECT_INFERENCE_THREADS": "1"}, tmp_path / "log")
     image = encode(np.full((64, 64, 3), 90, np.uint8), "PNG")
     results: list = []
 
