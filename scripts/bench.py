@@ -618,17 +618,12 @@ def parse_args(argv):
     parser.add_argument("--ceiling-json", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.model = (args.model or default_model()).resolve()
-    if args.concurrency:
-        args.concurrency = tuple(int(c) for c in args.concurrency.split(","))
-    else:
-        args.concurrency = SMOKE_SWEEP if args.smoke else SWEEP
+    args.concurrency = _int_list(args.concurrency) or (SMOKE_SWEEP if args.smoke else SWEEP)
     args.duration = args.duration or (1.5 if args.smoke else 20.0)
     args.warmup = args.warmup or (0.5 if args.smoke else 3.0)
     args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.smoke else 5.0)
-    args.ceiling_batches = (tuple(int(b) for b in args.ceiling_batches.split(",")) if args.ceiling_batches
-                            else ((1, 4) if args.smoke else CEILING_BATCHES))
-    args.ceiling_threads = (tuple(int(t) for t in args.ceiling_threads.split(",")) if args.ceiling_threads
-                            else CEILING_THREADS)
+    args.ceiling_batches = _int_list(args.ceiling_batches) or ((1, 4) if args.smoke else CEILING_BATCHES)
+    args.ceiling_threads = _int_list(args.ceiling_threads) or CEILING_THREADS
     args.settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -636,6 +631,11 @@ def parse_args(argv):
             parser.error(f"--set takes NAME=VALUE, not {item!r}")
         args.settings[name.strip()] = value.strip()
     return args
+
+
+def _int_list(text: Optional[str]) -> tuple[int, ...]:
+    """Parse a comma-separated flag such as "1,4,16"; empty for None."""
+    return tuple(int(item) for item in text.split(",")) if text else ()
 
 
 def main(argv=None) -> int:
