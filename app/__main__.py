@@ -6,12 +6,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("app.serve", "main", "serve a detector over HTTP"),
-    "train": ("app.shapes.cli", "train_main", "train the shapes detector under the GPU memory policy"),
-    "export": ("app.shapes.cli", "export_main", "export the trained shapes detector as a SavedModel"),
-    "evaluate": ("app.shapes.cli", "evaluate_main", "compute COCO mAP of a detector on held-out shapes"),
-    "fleet": ("app.fleet", "main", "run several instances on one GPU inside a memory budget"),
-    "calibrate": ("app.calibrate", "main", "measure a model's GPU memory and recommend a cap"),
+    "serve": ("app.hosting.serve", "main", "serve the models over HTTP"),
+    "train": ("app.training.cli", "train_main", "train the shapes detector under the GPU memory policy"),
+    "export": ("app.training.cli", "export_main", "export the trained shapes detector as a SavedModel"),
+    "evaluate": ("app.training.cli", "evaluate_main", "compute COCO mAP of a detector on held-out shapes"),
+    "fleet": ("app.fleet.cli", "main", "run several instances on one GPU inside a memory budget"),
+    "calibrate": ("app.gpu.calibrate", "main", "measure a model's GPU memory and recommend a cap"),
 }
 
 

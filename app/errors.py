@@ -5,23 +5,30 @@ DetectError
 ├── PolicyError              the GPU memory policy cannot be applied (boot, exit 2)
 ├── ModelError               the model folder is missing, empty or does not honour the contract (boot, exit 2)
 ├── NvmlUnavailable          NVML cannot be used: no driver, no library, or a failed call
+├── WorkerLost               a model's worker process ended while a call was on it (retried, never sent)
 └── RequestError             something about one request; has an HTTP status
     ├── BadRequest           400
     │   ├── InvalidParameter     a query parameter is out of range or malformed
     │   ├── InvalidBody          JSON or base64 that does not parse, a missing field
     │   └── InvalidImage         bytes that do not decode as an image
     ├── NotFound             404
+    │   └── ModelNotFound        no model of that name in the repository
     ├── MethodNotAllowed     405
     ├── PayloadTooLarge      413
     │   ├── BodyTooLarge         the request body is over max_body_bytes
     │   └── ImageTooLarge        the image header declares more than max_image_pixels
+    ├── HeaderTooLarge       431: a request line or header line over Twisted's limit
     ├── UnsupportedMediaType 415
     │   ├── UnsupportedContentType   a Content-Type /detect does not take
     │   └── UnsupportedImageFormat   an image format outside the decoder allowlist
     ├── InferenceFailed      500
+    ├── InternalError        500: a bug; the cause is logged, never sent
+    ├── LoadFailed           400: a load by request failed (the model folder is bad)
     ├── NotReady             503
     ├── Overloaded           503 with Retry-After: the inference queue is full
     ├── OutOfMemory          503: one image alone does not fit under the memory cap
+    ├── ModelUnavailable     503 with Retry-After: the model's worker is down, given up, or unloaded by request
+    ├── InsufficientGpuMemory 503 with Retry-After: loading the model would break the GPU budget
     └── DeadlineExceeded     504: the answer did not come within request_deadline_s
 """
 
@@ -62,6 +69,12 @@ class NvmlUnavailable(DetectError):
     code = "nvml_unavailable"
 
 
+class WorkerLost(DetectError):
+    """A model's worker process ended while a call was on it; the call may run again on its successor."""
+
+    code = "worker_lost"
+
+
 class RequestError(DetectError):
     """Something about one request; HTTP_STATUS maps it to a status."""
 
@@ -96,6 +109,12 @@ class NotFound(RequestError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """No model of that name is in the repository."""
+
+    code = "model_not_found"
+
+
 class MethodNotAllowed(RequestError):
     """The route exists but not for this method."""
 
@@ -118,6 +137,12 @@ class ImageTooLarge(PayloadTooLarge):
     """The image header declares more pixels than max_image_pixels."""
 
     code = "image_too_large"
+
+
+class HeaderTooLarge(RequestError):
+    """A request line or one header line is over the limit."""
+
+    code = "header_too_large"
 
 
 class UnsupportedMediaType(RequestError):
@@ -144,6 +169,18 @@ class InferenceFailed(RequestError):
     code = "inference_failed"
 
 
+class InternalError(RequestError):
+    """Something failed that should not have; the cause is in the log."""
+
+    code = "internal"
+
+
+class LoadFailed(RequestError):
+    """A load asked for by request failed: the model folder is missing, corrupt, or not the contract."""
+
+    code = "load_failed"
+
+
 class NotReady(RequestError):
     """The model is not loaded and warmed yet, or the server is shutting down."""
 
@@ -163,6 +200,20 @@ class OutOfMemory(RequestError):
     code = "out_of_memory"
 
 
+class ModelUnavailable(RequestError):
+    """The model cannot run now: its worker is restarting past the deadline, given up, or unloaded by request."""
+
+    code = "model_unavailable"
+    retry_after_s = 1
+
+
+class InsufficientGpuMemory(RequestError):
+    """Loading the model would break the GPU memory budget, and no idle model can make room."""
+
+    code = "insufficient_gpu_memory"
+    retry_after_s = 1
+
+
 class DeadlineExceeded(RequestError):
     """The answer did not come within the request deadline."""
 
@@ -176,8 +227,13 @@ HTTP_STATUS: dict[type[RequestError], int] = {
     MethodNotAllowed: 405,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
+    HeaderTooLarge: 431,
+    LoadFailed: 400,
     InferenceFailed: 500,
+    InternalError: 500,
     NotReady: 503,
+    ModelUnavailable: 503,
+    InsufficientGpuMemory: 503,
     Overloaded: 503,
     OutOfMemory: 503,
     DeadlineExceeded: 504,
@@ -190,8 +246,3 @@ def http_status(error: RequestError) -> int:
         if cls in HTTP_STATUS:
             return HTTP_STATUS[cls]
     return 500
-
-
-def error_body(code: str, message: str) -> dict:
-    """Return the one JSON error shape every route answers with."""
-    return {"error": {"code": code, "message": message}}

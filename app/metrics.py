@@ -1,4 +1,9 @@
-"""Prometheus metrics of one service instance, on a registry of its own (no process globals)."""
+"""Prometheus metrics of one server, on a registry of its own (no process globals).
+
+Request, queue, batch and inference series carry a `model` label ("" for routes without a model);
+per-model gauges (loaded, worker memory, cap, queue depth) are read from the model registry at scrape
+time, and GPU gauges from NVML.
+"""
 
 from __future__ import annotations
 
@@ -9,71 +14,108 @@ from .errors import NvmlUnavailable
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+MIB = 2**20
 
 # The *_created series double every counter's output and no dashboard here reads them.
 disable_created_metrics()
 
 
 class ServiceMetrics:
-    """The instance's counters and histograms; thread-safe (prometheus-client locks internally)."""
+    """The server's counters and histograms; thread-safe (prometheus-client locks internally)."""
 
     def __init__(self, gpu_report=None):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "detect_http_requests", "HTTP requests by route and status.", ("route", "status"),
-            registry=self.registry,
-        )
+        r = self.registry
+        self.requests = Counter("detect_http_requests", "HTTP requests by route, status and model.",
+                                ("route", "status", "model"), registry=r)
         self.request_latency = Histogram(
-            "detect_http_request_duration_seconds", "Whole request latency in the app, by route.", ("route",),
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.inference_latency = Histogram(
-            "detect_inference_duration_seconds", "Latency of one model call.",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.images_per_call = Histogram(
-            "detect_images_per_model_call", "Images in one model call (the batch size).",
-            buckets=BATCH_BUCKETS, registry=self.registry,
-        )
-        self.images = Counter("detect_images", "Images run through the model.", registry=self.registry)
-        self.queue_wait = Histogram(
-            "detect_queue_wait_seconds", "Time an image waited in the queue before its model call.",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.out_of_memory = Counter(
-            "detect_out_of_memory", "Model calls that ran out of memory (ResourceExhaustedError).",
-            registry=self.registry,
-        )
-        self.queue_depth = Gauge("detect_queue_depth", "Images waiting for a model call.", registry=self.registry)
+            "detect_http_request_duration_seconds", "Whole request latency in the app, by route and model.",
+            ("route", "model"), buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_latency = Histogram("detect_inference_duration_seconds", "Latency of one model call.",
+                                           ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.images_per_call = Histogram("detect_images_per_model_call", "Images in one model call (the batch size).",
+                                         ("model",), buckets=BATCH_BUCKETS, registry=r)
+        self.images = Counter("detect_images", "Images run through the model.", ("model",), registry=r)
+        self.queue_wait = Histogram("detect_queue_wait_seconds", "Time an image waited in the queue before its call.",
+                                    ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.out_of_memory = Counter("detect_out_of_memory", "Images that ran out of memory alone under the cap.",
+                                     ("model",), registry=r)
         self.in_flight = Gauge("detect_http_requests_in_flight", "Requests received and not yet answered.",
-                               registry=self.registry)
+                               registry=r)
+        self.model_loads = Counter("detect_model_loads", "Model versions loaded into a worker.", ("model",), registry=r)
+        self.model_load_failures = Counter("detect_model_load_failures", "Loads that failed.", ("model",), registry=r)
+        self.model_unloads = Counter("detect_model_unloads", "Workers ended, by reason: idle, evicted, replaced, "
+                                     "requested.", ("model", "reason"), registry=r)
+        self.worker_restarts = Counter("detect_worker_restarts", "Unexpected worker exits, each followed by a restart "
+                                       "or a give-up.", ("model",), registry=r)
+        self.model_load_seconds = Histogram("detect_model_load_seconds", "From the start of a load to ready.",
+                                            ("model",), buckets=LOAD_BUCKETS, registry=r)
         if gpu_report is not None:
-            self.registry.register(_GpuMemoryCollector(gpu_report))
+            r.register(_GpuMemoryCollector(gpu_report))
 
-    def observe_model_call(self, images: int, seconds: float) -> None:
-        """Record one model call; the detector calls this after each call."""
-        self.inference_latency.observe(seconds)
-        self.images_per_call.observe(images)
-        self.images.inc(images)
+    def observe_model_call(self, model: str, images: int, seconds: float) -> None:
+        """Record one model call, as its worker timed it."""
+        self.inference_latency.labels(model=model).observe(seconds)
+        self.images_per_call.labels(model=model).observe(images)
+        self.images.labels(model=model).inc(images)
+
+    def observe_load(self, model: str, seconds: float) -> None:
+        self.model_loads.labels(model=model).inc()
+        self.model_load_seconds.labels(model=model).observe(seconds)
 
     def watch_in_flight(self, count) -> None:
         """Report the requests in flight, `count()`, at scrape time."""
         self.in_flight.set_function(count)
 
-    def watch_queue(self, queue) -> None:
-        """Report the inference queue's depth at scrape time."""
-        self.queue_depth.set_function(lambda: queue.depth)
+    def watch_models(self, models) -> None:
+        """Report each model's state, worker memory, cap and queue depth from the registry at scrape time."""
+        self.registry.register(_ModelCollector(models))
 
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        self.request_latency.labels(route=route).observe(seconds)
+    def observe_request(self, route: str, status: int, seconds: float, model: str = "") -> None:
+        self.requests.labels(route=route, status=str(status), model=model).inc()
+        self.request_latency.labels(route=route, model=model).observe(seconds)
 
-    def observe_refusal(self, status: int) -> None:
-        """Count a /detect request refused before it reached the app (overload, shutdown)."""
-        self.requests.labels(route="/detect", status=str(status)).inc()
+    def observe_refusal(self, route: str, status: int, model: str = "") -> None:
+        """Count a request refused before it reached the app (overload, shutdown)."""
+        self.requests.labels(route=route, status=str(status), model=model).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ModelCollector:
+    """Per-model gauges, read from the model registry at scrape time."""
+
+    def __init__(self, models):
+        self._models = models
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        loaded = GaugeMetricFamily("detect_model_loaded", "1 while a worker serves the model.", labels=("model",))
+        depth = GaugeMetricFamily("detect_queue_depth", "Images waiting for a model call.", labels=("model",))
+        memory = GaugeMetricFamily("detect_model_memory_bytes", "What the model's worker holds: GPU memory (NVML) "
+                                   "or, without a GPU, resident host memory.", labels=("model", "source"))
+        cap = GaugeMetricFamily("detect_model_memory_cap_bytes", "The worker's GPU memory cap, over its GPUs.",
+                                labels=("model",))
+        tensorflow = GaugeMetricFamily("detect_model_tensorflow_memory_bytes", "GPU memory TensorFlow's allocator "
+                                       "uses in the model's worker.", labels=("model",))
+        for row in self._models.describe():
+            name = row["name"]
+            loaded.add_metric((name,), 1.0 if row["state"] in ("ready", "unloading") and row["pid"] else 0.0)
+            depth.add_metric((name,), row["queue_depth"])
+            caps = [c for c in row["caps_mib"].values() if c is not None]
+            if caps:
+                cap.add_metric((name,), sum(caps) * MIB)
+            held = row.get("memory")
+            if held and held.get("used_mib") is not None:
+                memory.add_metric((name, held["source"]), held["used_mib"] * MIB)
+            used = [g.get("current_mib") for g in held.get("tensorflow", [])] if held else []
+            if used and all(u is not None for u in used):
+                tensorflow.add_metric((name,), sum(used) * MIB)
+        yield from (loaded, depth, memory, cap, tensorflow)
 
 
 class _GpuMemoryCollector:

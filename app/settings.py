@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
-from .memory_policy import MemorySpec, parse_gpu_list, parse_memory_spec
+from .gpu.memory_policy import MemorySpec, parse_gpu_list, parse_memory_spec
 
 ENV_PREFIX = "DETECT_"
 DEFAULT_CONFIG = Path("config/default.toml")
@@ -77,6 +77,33 @@ def _text(value: Any) -> str:
     return text
 
 
+def _optional_text(value: Any) -> str:
+    return str(value).strip()
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError("expected true or false (also 1/0, yes/no, on/off)")
+
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def _model_name(value: Any) -> str:
+    name = str(value).strip()
+    if name and not MODEL_NAME.match(name):
+        raise ValueError("expected a model name: letters, digits, '.', '_' or '-', at most 63")
+    return name
+
+
 def _log_level(value: Any) -> str:
     level = str(value).strip().upper()
     if level not in LOG_LEVELS:
@@ -95,8 +122,13 @@ class Settings:
     host: str = _setting("127.0.0.1", _text, "interface to listen on")
     port: int = _setting(8000, _int_in(0, 65535), "TCP port to listen on (0: any free port, logged at boot)")
     model: str = _setting(
-        "models/faces", _text, "model base path (serves its highest numeric version) or one version folder"
+        "", _optional_text,
+        "serve only this model: a base path (its highest version) or one version folder ('': the repository)"
     )
+    model_repository: str = _setting(
+        "models", _text, "folder of models, TF Serving's layout: <repository>/<name>/<version>/saved_model.pb"
+    )
+    default_model: str = _setting("", _model_name, "the model POST /detect serves ('': the only model)")
     gpu_memory: MemorySpec = _setting(
         parse_memory_spec("4GiB"), parse_memory_spec,
         "GPU memory policy: greedy, growth, a cap (4096, 4096MiB, 4GiB) or a share (25%)",
@@ -145,11 +177,75 @@ class Settings:
     body_timeout_s: float = _setting(
         30.0, _float_in(0.5, 3600.0), "close a connection whose body takes longer than this to arrive (s)"
     )
+    # Model workers: their budget, their lifecycle and their supervision.
+    gpu_total_mib: int = _setting(
+        0, _int_in(0, 2**24), "GPU memory per GPU the budget may fill (MiB; 0: each GPU's total from NVML)"
+    )
+    gpu_overhead_mib: int = _setting(
+        500, _int_in(0, 65536), "budgeted per worker beyond its cap: CUDA context, cuDNN/cuBLAS workspaces (MiB)"
+    )
+    # Five minutes: a model used at least that often never pays a load; one idle longer gives its cap
+    # and CUDA context back for a cold start of about a second (README, Model workers).
+    idle_unload_s: float = _setting(
+        300.0, _float_in(0.0, 30 * 86400.0), "unload a model idle this long, giving its memory back (s; 0: never)"
+    )
+    preload: bool = _setting(True, _bool, "load models at boot (false: at their first request)")
+    # Five seconds: listing a few folders is free, and a new version then serves within seconds of landing.
+    model_poll_s: float = _setting(
+        5.0, _float_in(0.0, 86400.0), "look for new model versions this often (s; 0: never)"
+    )
+    spare_workers: int = _setting(
+        1, _int_in(0, 8), "workers kept started with TensorFlow imported, so a load skips the import (0: none)"
+    )
+    load_timeout_s: float = _setting(
+        300.0, _float_in(1.0, 3600.0), "longest a model may take to load and warm up before its worker is killed (s)"
+    )
+    max_failures: int = _setting(
+        5, _int_in(1, 1000), "give a model's worker up after this many unexpected exits in failure_window_s"
+    )
+    failure_window_s: float = _setting(300.0, _float_in(1.0, 86400.0), "the window max_failures counts in (s)")
+    restart_backoff_s: float = _setting(
+        1.0, _float_in(0.0, 600.0), "first restart delay of a worker that exited; doubled per recent exit (s)"
+    )
     # Set by `python -m app fleet` on each instance it starts; /gpu reads them to account per process.
     fleet_state: str = _setting(
         "", lambda value: str(value).strip(), "fleet state file (JSON) naming each instance's pid and caps ('' none)"
     )
     instance_name: str = _setting("", lambda value: str(value).strip(), "this instance's name in its fleet ('' none)")
+    notify_fd: int = _setting(
+        -1, _int_in(-1, 65535), "descriptor on which to report listening and ready as JSON lines (-1: none)"
+    )
+    # [models.<name>] tables of the TOML file: per-model overrides of PER_MODEL_KEYS, parsed.
+    model_overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(default=(), metadata={})
+
+    def for_model(self, name: str) -> "ModelSettings":
+        """Return the settings of one model: the server-wide values, then its [models.<name>] table."""
+        values = {key: getattr(self, key) for key in PER_MODEL_KEYS}
+        values.update(dict(self.overrides_for(name)))
+        return ModelSettings(**values)
+
+    def overrides_for(self, name: str) -> tuple[tuple[str, Any], ...]:
+        """Return the keys a model's table sets, parsed, in the file's order."""
+        return dict(self.model_overrides).get(name, ())
+
+
+# What a [models.<name>] table may set; everything else is server-wide.
+PER_MODEL_KEYS = ("gpu_memory", "gpus", "max_batch_size", "max_batch_delay_ms", "inference_threads", "max_queue",
+                  "idle_unload_s", "preload")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The settings one model's worker and queue run with."""
+
+    gpu_memory: MemorySpec
+    gpus: Optional[tuple[int, ...]]
+    max_batch_size: int
+    max_batch_delay_ms: float
+    inference_threads: int
+    max_queue: int
+    idle_unload_s: float
+    preload: bool
 
 
 def env_name(name: str) -> str:
@@ -163,8 +259,8 @@ def flag_name(name: str) -> str:
 
 
 def setting_fields() -> list[dataclasses.Field]:
-    """Return the dataclass fields of Settings, each with its parser and help text."""
-    return list(dataclasses.fields(Settings))
+    """Return the settings a flag, a DETECT_* variable or a top-level TOML key can set."""
+    return [f for f in dataclasses.fields(Settings) if "parse" in f.metadata]
 
 
 def load_settings(
@@ -184,12 +280,16 @@ def load_settings(
     path = config_path if config_path is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     if path is not None:
         for key, raw in _read_toml(Path(path)).items():
+            if key == "models":
+                values["model_overrides"] = _model_tables(raw, path, by_name)
+                continue
             if key not in by_name:
                 raise ConfigError(
                     f"config file {path} has unknown setting {key!r}; known settings: {', '.join(by_name)}"
                 )
             values[key] = _parse(by_name[key], raw, f"{key} in {path}")
 
+    given: set[str] = set()  # set by the environment or a flag
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
@@ -200,6 +300,7 @@ def load_settings(
                 + ", ".join(env_name(n) for n in by_name)
             )
         values[name] = _parse(by_name[name], raw, key)
+        given.add(name)
 
     for name, raw in (flags or {}).items():
         if raw is None:
@@ -207,8 +308,51 @@ def load_settings(
         if name not in by_name:
             raise ConfigError(f"unknown setting {name!r}")
         values[name] = _parse(by_name[name], raw, flag_name(name))
+        given.add(name)
 
+    # A DETECT_* variable or a flag is this deployment's word for every model: it beats the file's tables.
+    values["model_overrides"] = tuple(
+        (model, tuple((key, value) for key, value in entries if key not in given))
+        for model, entries in values.get("model_overrides", ())
+    )
     return Settings(**values)
+
+
+def _model_tables(tables: Any, path: Path, by_name: dict) -> tuple:
+    """Parse the [models.<name>] tables of a TOML file into (name, ((key, value), ...)) pairs."""
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise ConfigError(f"config file {path}: 'models' must hold one [models.<name>] table per model")
+    parsed = []
+    for name, table in tables.items():
+        if not MODEL_NAME.match(name):
+            raise ConfigError(f"config file {path}: [models.{name}] does not name a model: "
+                              "letters, digits, '.', '_' or '-', at most 63")
+        entries = []
+        for key, raw in table.items():
+            if key not in PER_MODEL_KEYS:
+                raise ConfigError(f"config file {path}: [models.{name}] has unknown key {key!r}; "
+                                  f"a model's table may set {', '.join(PER_MODEL_KEYS)}")
+            entries.append((key, _parse(by_name[key], raw, f"{key} in [models.{name}] of {path}")))
+        parsed.append((name, tuple(entries)))
+    return tuple(parsed)
+
+
+def check_model_names(settings: Settings, known: list[str], config: Optional[Path] = None) -> list[str]:
+    """Check that the [models.<name>] tables and default_model name models that are there.
+
+    A file given with --config (`config`) is checked strictly: raise ConfigError. The shipped
+    config/default.toml, read when no file is given, describes the shipped repository: where another
+    repository is served, what it names that is not there is skipped, and the warnings are returned.
+    """
+    where = f"config file {config}" if config is not None else f"config file {DEFAULT_CONFIG}"
+    problems = [f"{where}: [models.{name}] names no model; the models are {', '.join(known) or 'none'}"
+                for name, _ in settings.model_overrides if name not in known]
+    if settings.default_model and settings.default_model not in known and len(known) > 1:
+        problems.append(f"setting DETECT_DEFAULT_MODEL (--default-model) names {settings.default_model!r}, which is "
+                        f"not a model here; the models are {', '.join(known)}")
+    if problems and config is not None:
+        raise ConfigError(problems[0])
+    return problems
 
 
 def _parse(f: dataclasses.Field, raw: Any, source: str) -> Any:

@@ -3,7 +3,7 @@
 Starts `python -m app serve` on a free port (the shapes model if one is exported, else faces),
 drives it with scripts/loadgen.py in a process of its own at each concurrency, and reads the
 server's RSS, threads, descriptors and CPU time from /proc. Before that, a separate process
-measures the ceiling: decoding (app.images.decode_image) plus the model (Detector.run on stacked
+measures the ceiling: decoding (app.inference.images.decode_image) plus the model (Detector.run on stacked
 batches) on the same 640x480 JPEGs, no HTTP, at each batch size, with one thread and with two (each
 decoding its own batch and running it, so decoding overlaps model calls as in the server); the best is
 the ceiling.
@@ -125,25 +125,32 @@ class ServerProcess:
     @classmethod
     def start(cls, config: Path, log_path: Path, timeout_s: float = 300.0) -> "ServerProcess":
         """Start the server with this settings file (DETECT_* variables ignored); wait until ready."""
+        from app.hosting.lifecycle import Notifications
+
+        notifications = Notifications()  # the server says "listening" and "ready" on it
         env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-        env.update({"DETECT_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+        env.update({"DETECT_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                    "DETECT_NOTIFY_FD": str(notifications.child_fd)})
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as handle:
             process = subprocess.Popen(
                 [sys.executable, "-m", "app", "serve", "--config", str(config)], cwd=ROOT, env=env,
                 stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=[notifications.child_fd],
             )
+        notifications.started()
         deadline = time.monotonic() + timeout_s
-        port = None
-        while time.monotonic() < deadline:
-            text = log_path.read_text(errors="replace")
-            found = re.search(r"listening on http://[\d.]+:(\d+)", text)
-            port = int(found.group(1)) if found else None
-            if port is not None and "ready: model" in text:
-                return cls(process, port, log_path)
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {process.returncode}:\n{text[-3000:]}")
-            time.sleep(0.2)
+        try:
+            while time.monotonic() < deadline:
+                listening = notifications.find("listening")
+                if listening is not None and notifications.find("ready") is not None:
+                    return cls(process, listening["port"], log_path)
+                if process.poll() is not None:
+                    text = log_path.read_text(errors="replace")
+                    raise RuntimeError(f"the server exited with status {process.returncode}:\n{text[-3000:]}")
+                time.sleep(0.1)
+        finally:
+            notifications.close()
         process.kill()
         process.wait()
         raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s; see {log_path}")
@@ -152,18 +159,37 @@ class ServerProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def pids(self) -> list[int]:
+        """The HTTP process and its children, the model workers (and the spare)."""
+        children = set()
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                children.update(int(c) for c in Path(f"/proc/{self.pid}/task/{task}/children").read_text().split())
+            except OSError:
+                continue
+        return [self.pid, *sorted(children)]
+
     def stats(self) -> dict:
-        """Return RSS (MB), thread and descriptor counts and CPU seconds, from /proc/<pid>."""
-        status = Path(f"/proc/{self.pid}/status").read_text()
+        """Return RSS (MB), threads, descriptors and CPU seconds of the server's processes, from /proc.
+
+        The figures add up the HTTP process and its workers; `http` has the HTTP process's own. RSS
+        counts pages of shared libraries once per process, so the sum overstates the memory in use.
+        """
+        per = [self._process_stats(pid) for pid in self.pids()]
+        alive = [s for s in per if s is not None]
+        total = {key: round(sum(s[key] for s in alive), 2) for key in ("rss_mb", "threads", "fds", "cpu_s")}
+        return {**total, "processes": len(alive), "http": per[0]}
+
+    def _process_stats(self, pid: int) -> Optional[dict]:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            threads, fds = len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            return None  # it exited meanwhile
         rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         cpu = (int(fields[11]) + int(fields[12])) / self._clock_ticks  # utime + stime
-        return {
-            "rss_mb": round(rss_kb / 1024, 1),
-            "threads": len(os.listdir(f"/proc/{self.pid}/task")),
-            "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
-            "cpu_s": round(cpu, 2),
-        }
+        return {"rss_mb": round(rss_kb / 1024, 1), "threads": threads, "fds": fds, "cpu_s": round(cpu, 2)}
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, wait for a clean exit (kill after timeout_s); return the exit status."""
@@ -249,8 +275,8 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
 
     import numpy as np
 
-    from app.detector import load_detector
-    from app.images import decode_image
+    from app.inference.detector import load_detector
+    from app.inference.images import decode_image
     from app.settings import Settings
 
     max_pixels = Settings().max_image_pixels

@@ -24,11 +24,12 @@ item { id: 3 }  # no name: served as class_3
 """
 
 
-def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 0) -> Path:
+def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 0, fail_on_width: int = 0) -> Path:
     """Write the blob detector to `path` (a version folder) and return it.
 
     `busy_products` 512x512 matrix products per call make it slow whatever the image's size (for
-    tests that need requests to stay in flight); the answers stay the same.
+    tests that need requests to stay in flight); the answers stay the same. `fail_on_width` makes
+    every call on images of that width fail inside the graph, as a model that cannot take an input does.
     """
     import tensorflow as tf
 
@@ -37,6 +38,10 @@ def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 
         def detect(self, input_tensor):
             image = tf.cast(input_tensor, tf.int32)
             shape = tf.shape(image)
+            if fail_on_width:
+                with tf.control_dependencies([tf.debugging.assert_none_equal(
+                        shape[2], fail_on_width, message=f"the model cannot take {fail_on_width} columns")]):
+                    image = tf.identity(image)
             height, width = tf.cast(shape[1], tf.float32), tf.cast(shape[2], tf.float32)
             boxes, scores = [], []
             for channel, score in enumerate(CLASS_SCORES):

@@ -5,19 +5,22 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from app.process import configure_pillow
 from blob_model import build_blob_model
 
 ROOT = Path(__file__).resolve().parent.parent
+
+configure_pillow()  # the test process decodes uploads as the HTTP process does
 
 
 @pytest.fixture(scope="session")
@@ -43,26 +46,56 @@ def slow_blob_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def detector(blob_model_dir):
-    from app.detector import load_detector
+    """The blob detector loaded in this test process (TensorFlow in-process, as a worker has it)."""
+    from app.inference.detector import load_detector
 
     return load_detector(blob_model_dir)
 
 
-@pytest.fixture
-def app_factory(detector):
-    """Build a Flask app around real collaborators; keyword arguments override settings."""
-    from app.gpu_report import GpuReport
-    from app.gpu_setup import GpuSetup
-    from app.http_app import create_app
-    from app.memory_policy import AppliedPolicy
+@contextmanager
+def running_registry(model: Path | str = "", repository: Path | str = "", timeout: float = 120.0, wait: bool = True,
+                     **overrides):
+    """A real model registry in this test process, its workers real processes; ready when yielded (if `wait`)."""
+    from app.metrics import ServiceMetrics
+    from app.models.registry import ModelRegistry
+    from app.models.repository import ModelRepository
     from app.settings import Settings
-    from app.state import ServingState
 
-    def make(state=None, **overrides):
-        settings = Settings(**overrides)
-        policy = AppliedPolicy(mode="cap", spec="4096MiB", gpus=(), note="no GPU is visible to TensorFlow")
-        gpu = GpuReport(GpuSetup(policy=policy, nvml=None, nvml_reason="no NVML in this test"))
-        return create_app(settings, state if state is not None else ServingState(detector), gpu)
+    settings = Settings(model=str(model), model_repository=str(repository or ROOT / "models"), **overrides)
+    registry = ModelRegistry(settings, ModelRepository.open(settings.model_repository, settings.model), gpus=None,
+                             metrics=ServiceMetrics())
+    registry.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while wait and not registry.ready:
+            assert registry.boot_failure() is None, registry.boot_failure()
+            assert time.monotonic() < deadline, "the registry did not become ready"
+            time.sleep(0.05)
+        yield registry
+    finally:
+        registry.close(10.0)
+
+
+@pytest.fixture(scope="session")
+def blob_registry(blob_model_dir):
+    """The blob model served by a real registry and worker, shared by the Flask-level tests."""
+    with running_registry(blob_model_dir, spare_workers=0) as registry:
+        yield registry
+
+
+@pytest.fixture
+def app_factory(blob_registry):
+    """Build a Flask app around real collaborators; keyword arguments override settings."""
+    from app.gpu.report import GpuReport
+    from app.hosting.lifecycle import Lifecycle
+    from app.http import create_app
+    from app.settings import Settings
+
+    def make(models=None, lifecycle=None, **overrides):
+        models = models if models is not None else blob_registry
+        settings = Settings(model=str(models.settings.model), **overrides)
+        gpu = GpuReport(None, "no NVML in this test", workers=models.workers)
+        return create_app(settings, models, gpu, models.metrics, lifecycle or Lifecycle())
 
     return make
 
@@ -102,28 +135,47 @@ class Server:
         return self.process.wait(timeout=timeout)
 
 
+def wait_for(predicate, timeout: float, what: str, log_path: Path | None = None):
+    """Return predicate()'s first true value, polled for up to `timeout` s; fail naming `what` (and the log's end)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    tail = f":\n{log_path.read_text(errors='replace')[-5000:]}" if log_path is not None else ""
+    raise AssertionError(f"timed out waiting for {what}{tail}")
+
+
 def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = True,
                  timeout: float = 180.0) -> Server:
-    """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready)."""
+    """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready).
+
+    The server says "listening" and "ready" on its notify descriptor, as it does to the fleet.
+    """
+    from app.hosting.lifecycle import Notifications
+
+    notifications = Notifications()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    full_env.update({"DETECT_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
+    full_env.update({"DETECT_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2",
+                     "DETECT_NOTIFY_FD": str(notifications.child_fd), **env})
     with log_path.open("wb") as handle:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
             [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,
-            stdout=handle, stderr=subprocess.STDOUT,
+            stdout=handle, stderr=subprocess.STDOUT, pass_fds=[notifications.child_fd],
         )
+    notifications.started()
     deadline = time.monotonic() + timeout
-    port = None
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        if port is None:
-            found = re.search(r"listening on http://[\d.]+:(\d+)", text)
-            port = int(found.group(1)) if found else None
-        if port is not None and (not ready or "ready: model" in text):
-            return Server(process, port, log_path)
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{text}")
-        time.sleep(0.1)
+    try:
+        while time.monotonic() < deadline:
+            listening = notifications.find("listening")
+            if listening is not None and (not ready or notifications.find("ready") is not None):
+                return Server(process, listening["port"], log_path)
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text(errors='replace')}")
+            time.sleep(0.05)
+    finally:
+        notifications.close()
     process.kill()
     raise RuntimeError(f"server did not start in {timeout} s:\n{log_path.read_text(errors='replace')}")
 

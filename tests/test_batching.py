@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from app.batcher import InferenceQueue
-from app.detector import Detector, load_detector
 from app.errors import DeadlineExceeded, InferenceFailed, Overloaded, OutOfMemory
-from app.inference import batching_detector
-from app.state import ServingState
+from app.inference.batcher import InferenceQueue
+from app.inference.detections import to_detections
+from app.inference.detector import Detector, load_detector
 
 from blob_model import blob_image
+from conftest import running_registry
 from images_for_tests import encode
 
 
@@ -33,42 +34,51 @@ def _as_tuples(found):
     return {d.class_id: (d.box.x_min, d.box.y_min, d.box.x_max, d.box.y_max) for d in found}
 
 
+def _calls(metrics, model: str) -> tuple[float, float, float]:
+    """Return (model calls, calls of one image, calls of up to 8) from the batch-size histogram."""
+    text = metrics.render().decode()
+
+    def value(series):
+        found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    name = "detect_images_per_model_call"
+    return (value(f'{name}_count{{model="{model}"}}'), value(f'{name}_bucket{{le="1.0",model="{model}"}}'),
+            value(f'{name}_bucket{{le="8.0",model="{model}"}}'))
+
+
 def test_concurrent_mixed_requests_each_get_their_own_answers_in_order(blob_model_dir):
-    sizes = []
-    detector = load_detector(blob_model_dir, on_model_call=lambda n, s: sizes.append(n))
-    serving = batching_detector(detector, max_batch_size=8, max_batch_delay_ms=20, inference_threads=1,
-                                max_queue=1000, deadline_s=60)
+    with running_registry(blob_model_dir, spare_workers=0, max_batch_size=8, max_batch_delay_ms=20,
+                          inference_threads=1) as registry:
+        model = registry.get("blob")
 
-    def one_request(r: int):
-        cases = [_case(r * 3 + k) for k in range(1 + r % 3)]
-        results = serving.detect([image for image, _ in cases], 0.1, 10)
-        return [(_as_tuples(found), blobs) for found, (_, blobs) in zip(results, cases)]
+        def one_request(r: int):
+            cases = [_case(r * 3 + k) for k in range(1 + r % 3)]
+            outputs = model.detect_outputs([image for image, _ in cases], time.monotonic() + 60)
+            return [(_as_tuples(to_detections(out, image.shape[1], image.shape[0], {}, 0.1, 10)), blobs)
+                    for out, (image, blobs) in zip(outputs, cases)]
 
-    try:
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(one_request, range(48)))
-    finally:
-        serving.queue.close()
+        calls, single, up_to_8 = _calls(registry.metrics, "blob")
     for request in answers:
         for got, blobs in request:
             assert got.keys() == blobs.keys()
             for class_id, box in blobs.items():
                 assert got[class_id] == pytest.approx(box, abs=1e-3)
-    assert max(sizes) > 1, "concurrent same-sized images should have shared model calls"
-    assert max(sizes) <= 8
+    assert single < calls, "concurrent same-sized images should have shared model calls"
+    assert up_to_8 == calls
 
 
 def test_a_batch_one_model_is_never_batched_even_under_load(blob_batch1_dir):
-    sizes = []
-    detector = load_detector(blob_batch1_dir, on_model_call=lambda n, s: sizes.append(n))
-    serving = batching_detector(detector, max_batch_size=8, max_batch_delay_ms=5, inference_threads=2,
-                                max_queue=1000, deadline_s=60)
-    try:
+    with running_registry(blob_batch1_dir, spare_workers=0, max_batch_size=8, max_batch_delay_ms=5,
+                          inference_threads=2) as registry:
+        model = registry.get("blob1")
         with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: serving.detect([_case(i)[0]] * 2, 0.1, 10), range(16)))
-    finally:
-        serving.queue.close()
-    assert set(sizes) == {1} and len(sizes) == 32
+            results = list(pool.map(lambda i: model.detect_outputs([_case(i)[0]] * 2, time.monotonic() + 60),
+                                    range(16)))
+        calls, single, _ = _calls(registry.metrics, "blob1")
+    assert calls == single == 32
     assert all(len(r) == 2 for r in results)
 
 
@@ -79,10 +89,10 @@ class _Gate:
         self.release = threading.Event()
         self.calls = []
 
-    def __call__(self, batch):
-        self.calls.append(batch.shape[0])
+    def __call__(self, images, deadline):
+        self.calls.append(len(images))
         self.release.wait(10)
-        return [f"answer-{int(image[0, 0, 0])}" for image in batch]
+        return [f"answer-{int(image[0, 0, 0])}" for image in images]
 
 
 def _tagged(tag: int):
@@ -119,37 +129,31 @@ def test_an_image_whose_deadline_passed_is_answered_not_run():
     assert gate.calls == [1]
 
 
-def test_the_request_gets_504_when_its_deadline_passes_while_waiting(app_factory, detector):
-    gate = _Gate()
-    queue = InferenceQueue(gate, max_batch=1, max_delay_s=0, threads=1, max_queue=10)
-    from app.inference import BatchingDetector
-
-    serving = BatchingDetector(detector, queue, deadline_s=0.3)
-    client = app_factory(state=ServingState(serving), request_deadline_s=0.3).test_client()
-    response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
-    gate.release.set()
-    queue.close()
+def test_the_request_gets_504_when_its_deadline_passes_while_waiting(app_factory, slow_blob_model_dir):
+    with running_registry(slow_blob_model_dir, spare_workers=0) as registry:
+        client = app_factory(models=registry, request_deadline_s=0.3).test_client()
+        response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
     assert response.status_code == 504 and response.json["error"]["code"] == "deadline_exceeded"
 
 
-def test_an_overloaded_server_answers_503_with_retry_after(app_factory, detector):
-    gate = _Gate()
-    queue = InferenceQueue(gate, max_batch=1, max_delay_s=0, threads=1, max_queue=1)
-    from app.inference import BatchingDetector
-
-    queue.submit([_tagged(1)], time.monotonic() + 60)
-    time.sleep(0.1)
-    queue.submit([_tagged(2)], time.monotonic() + 60)  # fills the queue
-    client = app_factory(state=ServingState(BatchingDetector(detector, queue, 30))).test_client()
-    response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
-    gate.release.set()
-    queue.close()
+def test_a_request_whose_images_do_not_fit_the_queue_gets_503_with_retry_after(app_factory, slow_blob_model_dir):
+    with running_registry(slow_blob_model_dir, spare_workers=0, max_queue=1, max_batch_size=1,
+                          inference_threads=1) as registry:
+        model = registry.get("slowblob")
+        far = time.monotonic() + 60
+        running = model.queue.submit([_tagged(1)], far)  # taken by the one inference thread
+        time.sleep(0.3)
+        waiting = model.queue.submit([_tagged(2)], far)  # fills the queue
+        client = app_factory(models=registry).test_client()
+        response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
+        for future in running + waiting:
+            future.result(60)
     assert response.status_code == 503
     assert response.headers["Retry-After"] == "1"
     assert response.json["error"]["code"] == "overloaded"
 
 
-PIXEL_BUDGET = 5000  # the hungry model asks for 4 TiB once a call holds more pixels than this
+PIXEL_BUDGET = 150_000  # the hungry model asks for 4 TiB once a call holds more pixels than this (warm-up fits)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +186,7 @@ def test_a_batch_that_runs_out_of_memory_is_retried_in_halves(hungry_model_dir):
     calls, ooms = [], []
     detector = load_detector(hungry_model_dir, on_model_call=lambda n, s: calls.append(n),
                              on_out_of_memory=lambda: ooms.append(1), memory_limit="the GPU memory cap of 64 MiB")
-    batch = np.zeros((4, 60, 60, 3), np.uint8)  # 3600 pixels each: one fits, two do not
+    batch = np.zeros((4, 283, 283, 3), np.uint8)  # 80089 pixels each: one fits, two do not
     results = detector.run_batch(batch)
     assert len(results) == 4 and all(not isinstance(r, Exception) for r in results)
     assert calls == [1, 1, 1, 1] and len(ooms) == 3  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
@@ -190,27 +194,20 @@ def test_a_batch_that_runs_out_of_memory_is_retried_in_halves(hungry_model_dir):
 
 def test_one_image_that_alone_runs_out_of_memory_gets_an_error_naming_the_cap(hungry_model_dir):
     detector = load_detector(hungry_model_dir, memory_limit="the GPU memory cap of 64 MiB")
-    (result,) = detector.run_batch(np.zeros((1, 100, 100, 3), np.uint8))
+    (result,) = detector.run_batch(np.zeros((1, 400, 400, 3), np.uint8))
     assert isinstance(result, OutOfMemory) and "the GPU memory cap of 64 MiB" in result.message
 
 
-def test_out_of_memory_over_http_is_503_and_the_instance_keeps_serving(hungry_model_dir, app_factory):
-    from app.metrics import ServiceMetrics
-
-    metrics = ServiceMetrics()
-    detector = load_detector(hungry_model_dir, on_out_of_memory=metrics.out_of_memory.inc,
-                             memory_limit="the GPU memory cap of 64 MiB")
-    serving = batching_detector(detector, 8, 0, 1, 100, 30)
-    app = app_factory(state=ServingState(serving))
-    app.extensions["detect"].metrics = metrics
-    client = app.test_client()
-    big = client.post("/detect", data=encode(blob_image(100, 100, {})), content_type="image/png")
-    small = client.post("/detect", data=encode(blob_image(20, 20, {})), content_type="image/png")
-    serving.queue.close()
+def test_out_of_memory_over_http_is_503_and_the_worker_keeps_serving(hungry_model_dir, app_factory):
+    with running_registry(hungry_model_dir, spare_workers=0) as registry:
+        client = app_factory(models=registry).test_client()
+        big = client.post("/detect", data=encode(blob_image(400, 400, {})), content_type="image/png")
+        small = client.post("/detect", data=encode(blob_image(20, 20, {})), content_type="image/png")
+        metrics = client.get("/metrics").get_data(as_text=True)
     assert big.status_code == 503 and big.json["error"]["code"] == "out_of_memory"
-    assert "64 MiB" in big.json["error"]["message"]
+    assert "on this image alone" in big.json["error"]["message"]
     assert small.status_code == 200
-    assert "detect_out_of_memory_total 1.0" in client.get("/metrics").get_data(as_text=True)
+    assert 'detect_out_of_memory_total{model="hungry"} 1.0' in metrics
 
 
 class _Unlucky:

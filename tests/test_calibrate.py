@@ -15,11 +15,11 @@ import threading
 
 import pytest
 
-from app.calibrate import (
+from app.gpu.calibrate import (
     NEEDS_GPU, CalibrationError, calibrate, main, measure, measured_overhead, recommend_cap, run_phase_in_child,
 )
-from app.fleet_plan import load_fleet
-from app.memory_policy import MemorySpec, parse_memory_spec
+from app.fleet.plan import load_fleet
+from app.gpu.memory_policy import MemorySpec, parse_memory_spec
 from app.settings import load_settings
 
 from conftest import ROOT

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.detector import load_detector
+from app.inference.detector import load_detector
 from app.errors import ModelError
-from app.model_store import resolve_model
+from app.models.repository import resolve_model
 
 from blob_model import blob_image
 

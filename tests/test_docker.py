@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from app.memory_policy import parse_memory_spec
+from app.gpu.memory_policy import parse_memory_spec
 from app.settings import Settings
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -120,14 +120,14 @@ def test_the_entry_command_serves_as_the_container_would(blob_model_dir, tmp_pat
                                    stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while "ready: model" not in log_path.read_text() and process.poll() is None and time.monotonic() < deadline:
+        while "ready: " not in log_path.read_text() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         text = log_path.read_text()
         assert f"listening on http://0.0.0.0:{port}" in text, text
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("GET", "/readyz")
         response = conn.getresponse()
-        assert response.status == 200 and json.loads(response.read())["model"]["name"] == "blob"
+        assert response.status == 200 and json.loads(response.read())["models"][0]["name"] == "blob"
         conn.close()
 
         healthcheck = subprocess.run(as_here(exec_form("HEALTHCHECK")), env=env, capture_output=True, timeout=30)

@@ -7,35 +7,40 @@ import os
 import pytest
 
 from app.errors import NvmlUnavailable
-from app.gpu_report import GpuReport
-from app.gpu_setup import GpuSetup, setup_gpus
-from app.memory_policy import AppliedPolicy, GpuCap, parse_memory_spec
+from app.gpu.memory_policy import parse_memory_spec
+from app.gpu.nvml import Nvml
+from app.gpu.report import GpuReport
+from app.gpu.setup import setup_gpus
 from app.metrics import ServiceMetrics
-from app.nvml import Nvml
-from app.settings import Settings
 
 from fake_nvml import FakeNvml, NVMLError
 from fake_tf_config import FakeTfConfig
 
-PID = 1234
+PID = 1234  # a model worker of this server; FakeNvml shows it holding 4596 MiB on GPU 0
+SERVER = 1000  # this server's HTTP process, which holds no GPU memory
 
 
-def _policy(*caps):
-    return AppliedPolicy(mode="cap", spec="4096MiB", gpus=tuple(GpuCap(i, c, 143771) for i, c in caps))
+def _worker(pid=PID, caps=((0, 4096),), spec="4096MiB", tf=((0, 12.0, 40.5),), model="faces", version="1"):
+    """A model worker as the registry describes it to /gpu."""
+    return {"pid": pid, "model": model, "version": version, "caps_mib": dict(caps),
+            "policy": {"mode": "cap", "spec": spec, "gpus": [{"index": i, "cap_mib": c, "total_mib": 143771}
+                                                            for i, c in caps], "note": None},
+            "tensorflow": [{"device": f"/device:GPU:{k}", "current_mib": cur, "peak_mib": peak}
+                           for k, cur, peak in tf]}
 
 
-def _report(library, policy, selected=None):
-    setup = GpuSetup(policy=policy, nvml=Nvml.open(library), nvml_reason=None, selected=selected)
-    return GpuReport(setup, tf_memory=lambda: [{"device": "/device:GPU:0", "current_mib": 12.0, "peak_mib": 40.5}],
-                     pid=PID)
+def _report(library, workers=(), selected=None, **options):
+    return GpuReport(Nvml.open(library), selected=selected, workers=lambda: [dict(w) for w in workers], pid=SERVER,
+                     **options)
 
 
-def test_without_nvml_the_report_says_why_and_still_shows_the_policy():
-    policy = AppliedPolicy(mode="growth", spec="growth", gpus=(), note="no GPU is visible to TensorFlow")
-    report = GpuReport(GpuSetup(policy=policy, nvml=None, nvml_reason="NVML Shared Library Not Found")).to_json()
+def test_without_nvml_the_report_says_why_and_still_names_the_workers_and_their_policies():
+    report = GpuReport(None, "NVML Shared Library Not Found", workers=lambda: [_worker()], pid=SERVER).to_json()
     assert report["available"] is False
     assert report["reason"] == "NVML Shared Library Not Found"
-    assert report["policy"]["mode"] == "growth" and report["policy"]["note"].startswith("no GPU")
+    (worker,) = report["workers"]
+    assert (worker["model"], worker["version"], worker["pid"]) == ("faces", "1", PID)
+    assert worker["policy"]["spec"] == "4096MiB" and worker["caps_mib"] == {0: 4096}
 
 
 def test_the_real_nvml_on_this_host_is_unavailable_with_a_reason():
@@ -50,67 +55,65 @@ def test_init_failure_becomes_nvml_unavailable():
         Nvml.open(FakeNvml(PID, init_error=NVMLError("Driver Not Loaded")))
 
 
-def test_the_report_shows_what_nvidia_smi_would_for_this_processes_gpus():
-    report = _report(FakeNvml(PID), _policy((0, 4096))).to_json()
+def test_the_report_shows_what_nvidia_smi_would_with_each_process_named_by_its_model():
+    report = _report(FakeNvml(PID), [_worker()], selected=(0,)).to_json()
     assert report["available"] is True
     assert (report["driver_version"], report["cuda_driver_version"]) == ("580.95.05", "13.0")
-    (device,) = report["devices"]  # only GPU 0 is this process's
+    (device,) = report["devices"]  # only GPU 0 is this server's
     assert device["name"] == "NVIDIA H200" and device["uuid"].endswith("0000")
     assert device["memory_mib"] == {"total": 143771, "used": 9302, "free": 143771 - 9302 - 555, "reserved": 555}
-    assert device["utilization_percent"] == 37 and device["cap_mib"] == 4096
+    assert device["utilization_percent"] == 37
     assert device["processes"] == [
-        {"pid": PID, "used_mib": 4596, "this_process": True},
-        {"pid": 4242, "used_mib": 4150, "this_process": False},
+        {"pid": PID, "used_mib": 4596, "this_server": True, "model": "faces/1"},
+        {"pid": 4242, "used_mib": 4150, "this_server": False, "model": None},
     ]
-    assert report["tensorflow"][0]["peak_mib"] == 40.5
 
 
 def test_memory_info_v1_is_used_where_the_driver_has_no_v2():
-    report = _report(FakeNvml(PID, v2=False), _policy((0, 4096))).to_json()
+    report = _report(FakeNvml(PID, v2=False), [_worker()]).to_json()
     assert report["devices"][0]["memory_mib"]["reserved"] is None
     assert report["devices"][0]["memory_mib"]["used"] == 9302 + 555
 
 
 def test_unsupported_utilization_and_unattributed_memory_are_null():
-    report = _report(FakeNvml(PID), _policy((1, None))).to_json()
+    report = _report(FakeNvml(PID), selected=(1,)).to_json()
     (device,) = report["devices"]
     assert device["name"] == "NVIDIA H200"  # bytes from older bindings are decoded
     assert device["utilization_percent"] is None
-    assert device["processes"] == [{"pid": 777, "used_mib": None, "this_process": False}]
+    assert device["processes"] == [{"pid": 777, "used_mib": None, "this_server": False, "model": None}]
 
 
-def test_a_cpu_only_tensorflow_beside_nvml_reports_every_gpu():
-    report = _report(FakeNvml(PID), AppliedPolicy(mode="cap", spec="4096MiB", gpus=())).to_json()
+def test_every_gpu_is_reported_when_the_server_may_use_all():
+    report = _report(FakeNvml(PID)).to_json()
     assert [d["index"] for d in report["devices"]] == [0, 1]
 
 
 def test_no_gpu_selected_is_reported_unavailable():
-    report = _report(FakeNvml(PID), AppliedPolicy(mode="cap", spec="4096MiB", gpus=()), selected=()).to_json()
+    report = _report(FakeNvml(PID), selected=()).to_json()
     assert report["available"] is False and "DETECT_GPUS=none" in report["reason"]
 
 
 def test_a_failing_nvml_call_does_not_fail_the_report():
     library = FakeNvml(PID)
     library.nvmlDeviceGetComputeRunningProcesses = lambda handle: (_ for _ in ()).throw(NVMLError("GPU is lost"))
-    report = _report(library, _policy((0, 4096))).to_json()
+    report = _report(library, [_worker()]).to_json()
     assert report["available"] is False and "GPU is lost" in report["reason"]
 
 
 def test_gpu_memory_gauges_per_gpu_in_metrics():
-    text = ServiceMetrics(_report(FakeNvml(PID), _policy((0, 4096), (1, 4096)))).render().decode()
+    text = ServiceMetrics(_report(FakeNvml(PID))).render().decode()
     assert 'detect_gpu_memory_used_bytes{gpu="0",uuid="GPU-5a1c0d3e-0000-4000-8000-000000000000"} 9.753853952e+09' in text
     assert 'detect_gpu_memory_total_bytes{gpu="1"' in text
 
 
 def test_no_gpu_gauges_without_nvml():
-    setup = GpuSetup(policy=_policy(), nvml=None, nvml_reason="none")
-    assert "detect_gpu_memory" not in ServiceMetrics(GpuReport(setup)).render().decode()
+    assert "detect_gpu_memory" not in ServiceMetrics(GpuReport(None, "none")).render().decode()
 
 
 def test_a_share_is_sized_from_nvml_at_boot():
     """setup_gpus feeds NVML's totals into the policy: 25% of the fake H200 is 35942 MiB."""
     config = FakeTfConfig(gpus=2)
-    setup = setup_gpus(Settings(gpu_memory=parse_memory_spec("25%"), gpus=(1,)), nvml_library=FakeNvml(PID), tf_config=config)
+    setup = setup_gpus(parse_memory_spec("25%"), (1,), nvml_library=FakeNvml(PID), tf_config=config)
     assert [(g.index, g.cap_mib) for g in setup.policy.gpus] == [(1, 35942)]
     assert ("set_logical_device_configuration", "/physical_device:GPU:1", [35942]) in config.calls
 
@@ -148,10 +151,10 @@ def test_real_nvml_sees_a_process_holding_gpu_memory():
     nvml.close()
 
 
-# Accounting: which fleet instance each process on the GPU is, and what TensorFlow holds unused.
+# Accounting: whose memory each process on the GPU is, and what TensorFlow holds unused in each worker.
 
 def _fleet_state(tmp_path, *instances, overhead=500):
-    from app.fleet_state import FleetState, InstanceState, write_state
+    from app.fleet.state import FleetState, InstanceState, write_state
 
     path = tmp_path / "fleet.json"
     write_state(path, FleetState(fleet_pid=99, gpu_overhead_mib=overhead, instances=tuple(
@@ -162,76 +165,69 @@ def _fleet_state(tmp_path, *instances, overhead=500):
     return path
 
 
-def _fleet_report(library, policy, state_path, name="faces", tf_current=12.0):
-    setup = GpuSetup(policy=policy, nvml=Nvml.open(library), nvml_reason=None)
-    return GpuReport(setup, tf_memory=lambda: [{"device": "/device:GPU:0", "current_mib": tf_current,
-                                                "peak_mib": 40.5}],
-                     pid=PID, fleet_state=state_path, instance_name=name)
-
-
-def test_accounting_names_each_process_by_its_fleet_instance_and_the_rest_other(tmp_path):
-    """Processes are matched to instances by pid; their overhead is NVML's used MiB beyond the cap."""
+def test_accounting_names_our_workers_by_model_other_instances_workers_by_instance_and_the_rest_other(tmp_path):
+    """Another instance's worker is matched through its parent, the instance's pid in the fleet state file."""
     library = FakeNvml(PID)
     library.set_processes(0, (PID, 4596), (4242, 2560), (31337, 700))
-    state = _fleet_state(tmp_path, ("faces", 8001, "4096MiB", {0: 4096}, PID),
-                         ("shapes", 8002, "2048MiB", {0: 2048}, 4242))
-    accounting = _fleet_report(library, _policy((0, 4096)), state).to_json()["accounting"]
+    state = _fleet_state(tmp_path, ("faces", 8001, "4096MiB", {0: 4096}, SERVER),
+                         ("shapes", 8002, "2048MiB", {0: 2048}, 5000))
+    report = _report(library, [_worker()], selected=(0,), fleet_state=state, instance_name="faces",
+                     parent_of={4242: 5000, 31337: 1}.get).to_json()
+    accounting = report["accounting"]
     assert accounting["fleet"]["gpu_overhead_mib"] == 500 and accounting["fleet"]["instances"] == ["faces", "shapes"]
     (gpu,) = accounting["gpus"]
     assert gpu["index"] == 0
     assert gpu["processes"] == [
-        {"pid": PID, "instance": "faces", "this_process": True, "used_mib": 4596, "cap_mib": 4096, "overhead_mib": 500},
-        {"pid": 4242, "instance": "shapes", "this_process": False, "used_mib": 2560, "cap_mib": 2048,
-         "overhead_mib": 512},
-        {"pid": 31337, "instance": "other", "this_process": False, "used_mib": 700, "cap_mib": None,
-         "overhead_mib": None},
+        {"pid": PID, "owner": "worker", "model": "faces", "version": "1", "instance": "faces", "this_server": True,
+         "used_mib": 4596, "cap_mib": 4096, "overhead_mib": 500},
+        {"pid": 4242, "owner": "instance", "model": None, "version": None, "instance": "shapes",
+         "this_server": False, "used_mib": 2560, "cap_mib": 2048, "overhead_mib": 512},
+        {"pid": 31337, "owner": "other", "model": None, "version": None, "instance": None, "this_server": False,
+         "used_mib": 700, "cap_mib": None, "overhead_mib": None},
     ]
 
 
-def test_a_capped_instance_holds_its_cap_less_what_tensorflow_uses(tmp_path):
+def test_a_capped_worker_holds_its_cap_less_what_tensorflow_uses():
     """NVML used - TF current - overhead: with a cap TF maps all of it, so the overhead is used - cap."""
     library = FakeNvml(PID)
     library.set_processes(0, (PID, 4596))
-    state = _fleet_state(tmp_path, ("faces", 8001, "4096MiB", {0: 4096}, PID))
-    me = _fleet_report(library, _policy((0, 4096)), state).to_json()["accounting"]["this_instance"]
-    assert (me["name"], me["pid"], me["pid_visible"], me["source"], me["note"]) == ("faces", PID, True, "nvml", None)
+    (me,) = _report(library, [_worker()]).to_json()["accounting"]["workers"]
+    assert (me["model"], me["pid"], me["pid_visible"], me["source"], me["note"]) == ("faces", PID, True, "nvml", None)
     assert me["gpus"] == [{
         "index": 0, "used_mib": 4596, "tf_current_mib": 12.0, "tf_peak_mib": 40.5, "cap_mib": 4096,
         "overhead_mib": 500, "overhead_from": "NVML used - cap", "held_unused_mib": 4596 - 12.0 - 500,
     }]
 
 
-def test_growth_keeps_memory_it_no_longer_uses_and_the_fleet_overhead_sizes_it(tmp_path):
-    """Under growth there is no cap: the fleet's gpu_overhead_mib stands for the overhead."""
+def test_growth_keeps_memory_it_no_longer_uses_and_gpu_overhead_mib_sizes_the_overhead():
+    """Under growth there is no cap: the gpu_overhead_mib setting stands for the overhead."""
     library = FakeNvml(PID)
     library.set_processes(0, (PID, 3000), (4242, 900))
-    state = _fleet_state(tmp_path, ("faces", 8001, "growth", {0: None}, PID), overhead=480)
-    policy = AppliedPolicy(mode="growth", spec="growth", gpus=(GpuCap(0, None, 143771),))
-    report = _fleet_report(library, policy, state, tf_current=220.0).to_json()["accounting"]
-    (row,) = report["this_instance"]["gpus"]
-    assert row["overhead_from"] == "the fleet's gpu_overhead_mib" and row["overhead_mib"] == 480
+    growth = _worker(caps=((0, None),), spec="growth", tf=((0, 220.0, 900.0),))
+    report = _report(library, [growth], overhead_mib=480).to_json()["accounting"]
+    (row,) = report["workers"][0]["gpus"]
+    assert row["overhead_from"] == "gpu_overhead_mib" and row["overhead_mib"] == 480
     assert row["held_unused_mib"] == 3000 - 220.0 - 480
     assert report["gpus"][0]["processes"][0]["overhead_mib"] is None  # no cap: nothing to be beyond
 
 
-def test_when_nvml_cannot_see_this_pid_it_says_so_and_falls_back_to_tensorflow(tmp_path):
-    """A container without --pid=host: NVML lists host pids, none of them this process's."""
+def test_when_nvml_cannot_see_a_workers_pid_it_says_so_and_falls_back_to_tensorflow():
+    """A container without --pid=host: NVML lists host pids, none of them the worker's."""
     library = FakeNvml(PID)
     library.set_processes(0, (880123, 4596))
-    state = _fleet_state(tmp_path, ("faces", 8001, "4096MiB", {0: 4096}, PID))
-    accounting = _fleet_report(library, _policy((0, 4096)), state).to_json()["accounting"]
-    me = accounting["this_instance"]
+    accounting = _report(library, [_worker()]).to_json()["accounting"]
+    (me,) = accounting["workers"]
     assert me["pid_visible"] is False and me["source"] == "tensorflow"
     assert f"pid {PID}" in me["note"] and "--pid=host" in me["note"]
     assert me["gpus"][0]["used_mib"] is None and me["gpus"][0]["held_unused_mib"] == 4096 - 12.0
-    assert accounting["gpus"][0]["processes"][0]["instance"] == "other"
+    assert accounting["gpus"][0]["processes"][0]["owner"] == "other"
 
 
-def test_without_a_fleet_the_instance_accounts_for_itself(tmp_path):
-    report = _fleet_report(FakeNvml(PID), _policy((0, 4096)), None, name="").to_json()["accounting"]
+def test_without_a_fleet_there_is_no_fleet_part(tmp_path):
+    report = _report(FakeNvml(PID), [_worker()], selected=(0,)).to_json()["accounting"]
     assert report["fleet"] is None and "fleet_note" not in report
-    names = [(p["pid"], p["instance"], p["overhead_mib"]) for p in report["gpus"][0]["processes"]]
-    assert names == [(PID, "(this instance)", 500), (4242, "other", None)]
+    owners = [(p["pid"], p["owner"], p["overhead_mib"]) for p in report["gpus"][0]["processes"]]
+    assert owners == [(PID, "worker", 500), (4242, "other", None)]
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"version": 1, "instances": [{}]}', '{"version": 7}'])
@@ -239,30 +235,27 @@ def test_an_unreadable_fleet_state_file_is_noted_and_does_not_fail_the_report(tm
     path = tmp_path / "fleet.json"
     if content is not None:
         path.write_text(content)
-    report = _fleet_report(FakeNvml(PID), _policy((0, 4096)), path).to_json()
+    report = _report(FakeNvml(PID), [_worker()], fleet_state=path).to_json()
     assert report["available"] is True
     assert report["accounting"]["fleet"] is None
     assert "fleet state file cannot be used" in report["accounting"]["fleet_note"]
 
 
-def test_without_nvml_the_accounting_is_tensorflows_own():
-    policy = _policy((0, 4096))
-    report = GpuReport(GpuSetup(policy=policy, nvml=None, nvml_reason="no driver"),
-                       tf_memory=lambda: [{"device": "/device:GPU:0", "current_mib": 100.0, "peak_mib": 300.0}],
-                       pid=PID).to_json()
-    me = report["accounting"]["this_instance"]
+def test_without_nvml_the_accounting_is_each_workers_tensorflow_figures():
+    worker = _worker(tf=((0, 100.0, 300.0),))
+    report = GpuReport(None, "no driver", workers=lambda: [worker], pid=SERVER).to_json()
+    (me,) = report["accounting"]["workers"]
     assert report["accounting"]["gpus"] == [] and me["pid_visible"] is None
     assert me["source"] == "tensorflow" and "NVML is unavailable (no driver)" in me["note"]
     assert me["gpus"][0]["held_unused_mib"] == 3996.0 and me["gpus"][0]["tf_peak_mib"] == 300.0
 
 
-def test_tensorflows_logical_gpus_map_to_the_selected_physical_ones(tmp_path):
-    """With DETECT_GPUS=1, TensorFlow's GPU:0 is physical GPU 1."""
+def test_tensorflows_logical_gpus_map_to_the_workers_physical_ones():
+    """A worker on GPU 1 alone: its TensorFlow's GPU:0 is physical GPU 1."""
     library = FakeNvml(PID)
     library.set_processes(1, (PID, 2548))
-    setup = GpuSetup(policy=_policy((1, 2048)), nvml=Nvml.open(library), nvml_reason=None, selected=(1,))
-    report = GpuReport(setup, tf_memory=lambda: [{"device": "/device:GPU:0", "current_mib": 48.0, "peak_mib": 96.0}],
-                       pid=PID).to_json()
-    (row,) = report["accounting"]["this_instance"]["gpus"]
+    worker = _worker(caps=((1, 2048),), spec="2048MiB", tf=((0, 48.0, 96.0),))
+    (me,) = _report(library, [worker], selected=(1,)).to_json()["accounting"]["workers"]
+    (row,) = me["gpus"]
     assert (row["index"], row["used_mib"], row["tf_current_mib"], row["overhead_mib"]) == (1, 2548, 48.0, 500)
     assert row["held_unused_mib"] == 2000.0

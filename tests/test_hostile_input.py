@@ -33,10 +33,10 @@ from conftest import start_server
 from images_for_tests import encode, encode_image
 
 from app.errors import UnsupportedImageFormat
-from app.images import decode_image
+from app.inference.images import decode_image
 
 MAX_PIXELS = 100_000_000  # above Pillow's own bomb limit, so ours is the one that must bite
-PILLOW_BOMB_LIMIT = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS before app.images turns it off
+PILLOW_BOMB_LIMIT = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS before app.inference.images turns it off
 RSS_LIMIT_MB = 5.0
 ANSWER_LIMIT_S = 1.0
 RED = blob_image(64, 48, {1: (10, 5, 20, 15)})
@@ -650,7 +650,7 @@ def test_eps_never_reaches_pillows_eps_plugin(monkeypatch):
 
 
 def test_an_image_between_1x_and_2x_pillows_bomb_limit_decodes_when_our_limit_allows_it():
-    """Pillow would warn here (an error under this suite's filterwarnings); app.images leaves the limit to us."""
+    """Pillow would warn here (an error under this suite's filterwarnings); app.inference.images leaves the limit to us."""
     side = 9500
     assert PILLOW_BOMB_LIMIT < side * side < 2 * PILLOW_BOMB_LIMIT
     rows = np.full((side, side + 1), 77, np.uint8)

@@ -212,10 +212,12 @@ def test_a_chunked_body_under_the_limit_is_served(server):
 def test_health_readiness_and_gpu(server):
     assert server.request("GET", "/healthz")[:1] == (200,)
     status, _, ready = server.request("GET", "/readyz")
-    assert status == 200 and ready["model"] == {"name": "blob", "version": "2"}
+    assert status == 200 and ready["models"] == [{"name": "blob", "version": "2", "state": "ready"}]
     status, _, gpu = server.request("GET", "/gpu")
     assert status == 200 and gpu["available"] is False and "NVML" in gpu["reason"]
-    assert gpu["policy"]["spec"] == "4096MiB"
+    (worker,) = gpu["workers"]
+    assert (worker["model"], worker["version"], worker["policy"]["spec"]) == ("blob", "2", "4096MiB")
+    assert worker["pid"] != server.process.pid
 
 
 def test_metrics_count_requests_and_model_calls(server):
@@ -223,10 +225,12 @@ def test_metrics_count_requests_and_model_calls(server):
     status, _, text = server.request("GET", "/metrics")
     text = text.decode()
     assert status == 200
-    assert 'detect_http_requests_total{route="/detect",status="200"}' in text
-    assert "detect_http_request_duration_seconds_bucket" in text
-    assert "detect_inference_duration_seconds_count" in text
-    assert "detect_images_per_model_call_bucket" in text
+    assert 'detect_http_requests_total{model="blob",route="/detect",status="200"}' in text
+    assert 'detect_http_request_duration_seconds_bucket{le="0.005",model="blob",route="/detect"}' in text
+    assert 'detect_inference_duration_seconds_count{model="blob"}' in text
+    assert 'detect_images_per_model_call_bucket{le="1.0",model="blob"}' in text
+    assert 'detect_model_loaded{model="blob"} 1.0' in text and 'detect_model_loads_total{model="blob"} 1.0' in text
+    assert re.search(r'^detect_model_memory_bytes\{model="blob",source="rss"\} [1-9]', text, re.M)
 
 
 def test_every_request_leaves_one_access_log_line(server):

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
-from app.images import decode_image
+from app.inference.images import decode_image
 
 from images_for_tests import ORIENT, encode, encode_image
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.errors import ModelError
-from app.labels import load_label_map, parse_label_map
+from app.inference.labels import load_label_map, parse_label_map
 
 
 def test_display_name_wins_then_name_then_class_id():

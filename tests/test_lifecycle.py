@@ -13,18 +13,18 @@ from conftest import start_server
 from images_for_tests import encode
 
 
-def _gauge(server, name: str) -> int:
-    """Read one unlabelled gauge from the server's /metrics."""
+def _gauge(server, series: str) -> int:
+    """Read one gauge series (name and labels) from the server's /metrics."""
     text = server.request("GET", "/metrics")[2].decode()
-    return int(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)))
+    return int(float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.M).group(1)))
 
 
 def _in_flight(server) -> int:
     return _gauge(server, "detect_http_requests_in_flight") - 1  # less this /metrics request
 
 
-def _queue_depth(server) -> int:
-    return _gauge(server, "detect_queue_depth")
+def _queue_depth(server, model: str = "slowblob") -> int:
+    return _gauge(server, f'detect_queue_depth{{model="{model}"}}')
 
 
 def test_detect_requests_beyond_http_threads_get_503_at_once_and_the_admitted_finish(blob_model_dir, tmp_path):
@@ -55,7 +55,7 @@ def test_detect_requests_beyond_http_threads_get_503_at_once_and_the_admitted_fi
         assert "http_threads" in body["error"]["message"]
         assert seconds < min(s for *_, s in served)  # refused at once, not after queueing
     metrics = server.request("GET", "/metrics")[2].decode()
-    counted = re.search(r'^detect_http_requests_total\{route="/detect",status="503"\} (\S+)$', metrics, re.M)
+    counted = re.search(r'^detect_http_requests_total\{model="blob",route="/detect",status="503"\} (\S+)$', metrics, re.M)
     assert counted and float(counted.group(1)) == len(refused)
     assert server.stop() == 0 and "Traceback" not in server.log()
 
@@ -130,7 +130,7 @@ def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(sl
     assert time.monotonic() - started < 20
     # All requests in flight, counted at SIGTERM, are the 50 /detect requests and, at times, the
     # test's last /metrics poll, whose answer the client has read before the reactor counts it out.
-    drained = re.search(r"shutting down: not ready, refusing new work, (\d+) request\(s\) in flight \((\d+) /detect\)",
+    drained = re.search(r"shutting down: not ready, refusing new work, (\d+) request\(s\) in flight \((\d+) inference\)",
                         log)
     assert drained and drained.group(2) == "50" and drained.group(1) in ("50", "51"), log[-3000:]
     assert "Traceback" not in log, log[-3000:]

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from app.errors import PolicyError
-from app.memory_policy import MemorySpec, apply_policy, parse_gpu_list, parse_memory_spec
+from app.gpu.memory_policy import MemorySpec, apply_policy, parse_gpu_list, parse_memory_spec
 
 from fake_tf_config import FakeTfConfig
 
@@ -123,9 +123,9 @@ def test_an_already_initialized_tensorflow_fails_loudly(spec):
 
 def test_on_this_gpu_less_host_the_real_tensorflow_gets_nothing_to_apply(caplog):
     """The no-GPU path against real TensorFlow: one log line, then the CPU."""
-    with caplog.at_level(logging.INFO, logger="app.memory_policy"):
+    with caplog.at_level(logging.INFO, logger="app.gpu.memory_policy"):
         policy = apply_policy(parse_memory_spec("4GiB"))
     assert policy.gpus == ()
     assert "no GPU is visible to TensorFlow" in policy.note
-    lines = [r.getMessage() for r in caplog.records if r.name == "app.memory_policy"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "app.gpu.memory_policy"]
     assert len(lines) == 1 and "nothing to apply" in lines[0]

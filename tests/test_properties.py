@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from PIL import Image
 
-from app.detect_request import MAX_DETECTIONS_LIMIT, images_from_json, parse_max_detections, parse_threshold
+from app.http.detect_request import MAX_DETECTIONS_LIMIT, images_from_json, parse_max_detections, parse_threshold
 from app.errors import ImageTooLarge, InvalidBody, InvalidImage, InvalidParameter, UnsupportedImageFormat
-from app.images import DecodedImage, decode_image
+from app.inference.images import DecodedImage, decode_image
 
 from images_for_tests import ORIENT, encode_image
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -11,8 +10,8 @@ import tomllib
 import pytest
 
 from app.errors import ConfigError
-from app.memory_policy import MemorySpec
-from app.settings import Settings, load_settings
+from app.gpu.memory_policy import MemorySpec
+from app.settings import Settings, load_settings, setting_fields
 
 from conftest import ROOT
 
@@ -26,11 +25,46 @@ def test_defaults_apply_without_file_env_or_flags(tmp_path):
 
 
 def test_shipped_default_config_matches_the_code_defaults():
-    """config/default.toml documents the defaults; it must not drift from the code."""
+    """config/default.toml documents every default; it sets only the default model and shapes' cap apart."""
     with (ROOT / "config" / "default.toml").open("rb") as handle:
         shipped = tomllib.load(handle)
-    assert set(shipped) == {f.name for f in dataclasses.fields(Settings)}
-    assert load_settings(config_path=ROOT / "config" / "default.toml", environ={}) == Settings()
+    documented = {f.name for f in setting_fields()} - {"model", "notify_fd"}  # one-model mode; the fleet's own
+    assert set(shipped) == documented | {"models"}
+    loaded = load_settings(config_path=ROOT / "config" / "default.toml", environ={})
+    assert loaded == Settings(default_model="faces", model_overrides=(
+        ("shapes", (("gpu_memory", MemorySpec(mode="cap", cap_mib=2048)),)),))
+
+
+def test_a_models_table_overrides_the_file_for_one_model_and_the_environment_overrides_both(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('gpu_memory = "4GiB"\nmax_queue = 64\n[models.shapes]\ngpu_memory = "1GiB"\n'
+                      'max_batch_size = 4\nidle_unload_s = 0\npreload = false\n')
+    settings = load_settings(config_path=config, environ={})
+    shapes, faces = settings.for_model("shapes"), settings.for_model("faces")
+    assert (shapes.gpu_memory.cap_mib, shapes.max_batch_size, shapes.idle_unload_s, shapes.preload) == (1024, 4, 0, False)
+    assert (faces.gpu_memory.cap_mib, faces.max_batch_size, faces.preload) == (4096, 16, True)
+    assert shapes.max_queue == faces.max_queue == 64  # not in the table: the server-wide value
+    overridden = load_settings(config_path=config, environ={"DETECT_GPU_MEMORY": "3GiB"}).for_model("shapes")
+    assert overridden.gpu_memory.cap_mib == 3072 and overridden.max_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "table, fragment",
+    [
+        ('[models.shapes]\nport = 1\n', "[models.shapes] has unknown key 'port'; a model's table may set gpu_memory"),
+        ('[models.shapes]\ngpu_memory = "lots"\n', "from gpu_memory in [models.shapes] of"),
+        ('[models.shapes]\ninference_threads = 0\n', "expected an integer from 1 to 64"),
+        ('[models.shapes]\npreload = "maybe"\n', "expected true or false"),
+        ('models = 3\n', "'models' must hold one [models.<name>] table per model"),
+        ('[models."a b"]\n', "does not name a model"),
+    ],
+)
+def test_a_bad_models_table_is_refused_naming_the_file_the_model_and_the_key(tmp_path, table, fragment):
+    config = tmp_path / "c.toml"
+    config.write_text(table)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config_path=config, environ={})
+    assert fragment in caught.value.message and str(config) in caught.value.message
 
 
 def test_file_then_environment_then_flags_take_precedence(tmp_path):
@@ -102,6 +136,9 @@ def _serve(*args, env=None):
         ([], {"DETECT_GPU_MEMORY": "101%"}, "DETECT_GPU_MEMORY (--gpu-memory), from DETECT_GPU_MEMORY, has value '101%'"),
         (["--config", "/nonexistent.toml"], {}, "config file /nonexistent.toml does not exist"),
         (["--model", "/nonexistent/model"], {}, "model path /nonexistent/model does not exist"),
+        (["--model-repository", "/nonexistent/repo"], {}, "model repository /nonexistent/repo does not exist"),
+        (["--config", "config/default.toml", "--default-model", "nope"], {},
+         "DETECT_DEFAULT_MODEL (--default-model) names 'nope', which is not a model"),
     ],
 )
 def test_a_bad_value_stops_the_process_with_status_2_and_one_line(args, env, fragment):

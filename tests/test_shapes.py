@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from app.__main__ import main
-from app.shapes.data import CLASSES, heldout_scenes, scene
-from app.shapes.evaluate import Prediction, coco_map, folder_size, predict
-from app.shapes.targets import CROP_SLOTS, encode, sample_crops
+from app.training.data import CLASSES, heldout_scenes, scene
+from app.training.evaluate import Prediction, coco_map, folder_size, predict
+from app.training.targets import CROP_SLOTS, encode, sample_crops
 from conftest import ROOT, start_server
 from fake_tf_config import FakeTfConfig
 from images_for_tests import encode as encode_image
@@ -133,7 +133,7 @@ def test_training_resumes_from_the_latest_checkpoint(trained, tmp_path, empty_co
 
 
 def test_exported_model_loads_in_the_service_and_detects(exported):
-    from app.detector import load_detector
+    from app.inference.detector import load_detector
 
     detector = load_detector(exported.parent)
     assert detector.version == "1" and detector.max_batch is None
@@ -229,7 +229,7 @@ def test_evaluate_writes_metrics_beside_the_model(exported, empty_config):
 
 @pytest.fixture(scope="module")
 def committed():
-    from app.detector import load_detector
+    from app.inference.detector import load_detector
 
     return load_detector(COMMITTED)
 
@@ -298,11 +298,11 @@ def test_bad_settings_make_train_exit_2(tmp_path, empty_config, monkeypatch, cap
 def test_a_policy_that_cannot_be_applied_makes_train_exit_2(tmp_path, empty_config, monkeypatch, capsys,
                                                            flags, config, message):
     """Stand-ins for tf.config with GPUs and for a host without NVML, behind their own boundaries."""
-    import app.memory_policy
-    import app.nvml
+    import app.gpu.memory_policy
+    import app.gpu.nvml
 
-    monkeypatch.setattr(app.memory_policy, "_tf_config", lambda: config)
-    monkeypatch.setattr(app.nvml, "_pynvml", None)
+    monkeypatch.setattr(app.gpu.memory_policy, "_tf_config", lambda: config)
+    monkeypatch.setattr(app.gpu.nvml, "_pynvml", None)
     code = main(["train", "--quick", "--logdir", str(tmp_path), "--config", str(empty_config), *flags])
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,1 @@
+"""Twisted's side: the Site that admits and drains, the lifecycle, and the `serve` composition root."""

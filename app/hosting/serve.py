@@ -1,0 +1,275 @@
+"""The composition root: build the pieces, host the Flask app in Twisted's WSGI container, run.
+
+Order at boot: settings are valid (else exit 2); the models resolve and their memory policies can be
+budgeted (else exit 2); NVML is opened for the GPU inventory; the port is bound; then the model
+registry starts a worker per preloaded model (each applies its model's memory policy before
+TensorFlow creates any tensor, loads and warms the model) while /readyz answers 503. A preloaded model
+that fails its first load stops the server with exit 2, as a bad model always did. The HTTP process
+itself never imports TensorFlow.
+
+SIGTERM or SIGINT: /readyz turns 503, new inference requests get 503, those in flight finish (up to
+shutdown_grace_s), the port closes, every worker is stopped, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ConfigError, DetectError, ModelError, PolicyError
+from ..settings import Settings, check_model_names, env_name, flag_name, load_settings, setting_fields
+
+log = logging.getLogger("app.serve")
+
+CONTROL_THREADS = 2  # probes, /metrics and /gpu: a pool of their own, so they answer under load
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the `serve` flag parser: --config plus one flag per setting."""
+    parser = argparse.ArgumentParser(prog="python -m app serve", description="Serve detectors over HTTP.")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="TOML settings file (default: config/default.toml if present)")
+    for f in setting_fields():
+        parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
+                            help=f"{f.metadata['help']} [{env_name(f.name)}]")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Parse flags, build settings, and serve until stopped; return the exit status."""
+    args = vars(build_parser().parse_args(argv))
+    config = args.pop("config")
+    try:
+        settings = load_settings(flags=args, config_path=config)
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    try:
+        return serve(settings, config)
+    except (ConfigError, ModelError, PolicyError) as exc:
+        log.error("%s", exc.message)
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def configure_logging(level: str) -> None:
+    """Send Python and Twisted logs to stderr, one line each."""
+    logging.basicConfig(
+        level=level, stream=sys.stderr, force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from twisted.logger import STDLibLogObserver, globalLogBeginner
+
+    globalLogBeginner.beginLoggingTo([STDLibLogObserver(name="twisted")], redirectStandardIO=False)
+
+
+@dataclass
+class Server:
+    """The parts of a running server, built by `build` and run by `run`."""
+
+    settings: Settings
+    registry: Any  # app.models.registry.ModelRegistry
+    gpu: Any  # app.gpu.report.GpuReport
+    metrics: Any
+    lifecycle: Any
+    site: Any
+    pools: list
+    nvml: Any
+    status: int = 0
+
+
+def serve(settings: Settings, config: Optional[Path] = None) -> int:
+    """Build the server and run it until it stops; return the exit status."""
+    return run(build(settings, config))
+
+
+def build(settings: Settings, config: Optional[Path] = None) -> Server:
+    """Build every part but the listening port; raise ConfigError, ModelError or PolicyError."""
+    from ..gpu.budget import inventory
+    from ..gpu.report import GpuReport
+    from ..gpu.setup import open_nvml
+    from ..http import create_app
+    from ..metrics import ServiceMetrics
+    from ..models.registry import ModelRegistry
+    from ..models.repository import ModelRepository
+    from ..process import configure_pillow
+    from .lifecycle import Lifecycle
+
+    configure_pillow()
+    repository = ModelRepository.open(settings.model_repository, settings.model)
+    for problem in check_model_names(settings, _known_models(settings, repository), config):
+        log.warning("%s; skipped (a file given with --config is checked strictly)", problem)
+    names = repository.names()
+    check_shared_policies(settings, names)
+    nvml, nvml_reason = open_nvml()
+    devices = _devices(nvml)
+    gpus = inventory(devices, settings.gpu_total_mib, settings.gpus,
+                     [i for name in repository.names() for i in settings.for_model(name).gpus or ()])
+    registry_box: dict = {}
+    gpu = GpuReport(nvml, nvml_reason, selected=settings.gpus, overhead_mib=settings.gpu_overhead_mib,
+                    workers=lambda: registry_box["registry"].workers(), fleet_state=settings.fleet_state,
+                    instance_name=settings.instance_name)
+    metrics = ServiceMetrics(gpu)
+    registry = ModelRegistry(settings, repository, gpus, metrics=metrics, nvml=nvml)
+    registry_box["registry"] = registry
+    lifecycle = Lifecycle(settings.notify_fd)
+    app = create_app(settings, registry, gpu, metrics, lifecycle)
+    site, pools = _site(settings, app, registry, metrics, lifecycle)
+    return Server(settings, registry, gpu, metrics, lifecycle, site, pools, nvml)
+
+
+def _known_models(settings: Settings, repository) -> list[str]:
+    """The names a [models.<name>] table may use: the models served, and those of the repository folder."""
+    from ..models.repository import ModelRepository
+
+    names = set(repository.names())
+    if settings.model and Path(settings.model_repository).is_dir():
+        try:
+            names.update(ModelRepository.open(settings.model_repository).names())
+        except ModelError:
+            pass
+    return sorted(names)
+
+
+def check_shared_policies(settings: Settings, names: list[str]) -> None:
+    """Refuse greedy and growth for a model that may share a GPU with another: they cannot be budgeted."""
+    for name in names:
+        own = settings.for_model(name)
+        if own.gpu_memory.mode not in ("greedy", "growth") or own.gpus == ():
+            continue
+        for other in names:
+            theirs = settings.for_model(other).gpus
+            if other == name or theirs == ():
+                continue
+            if own.gpus is None or theirs is None or set(own.gpus) & set(theirs):
+                what = ("maps nearly all of the GPU at start" if own.gpu_memory.mode == "greedy"
+                        else "grows without bound and never gives memory back")
+                raise ConfigError(
+                    f"model {name} has gpu_memory {own.gpu_memory}, which {what}, but may share a GPU with model "
+                    f"{other}: it cannot be budgeted; give it a cap (e.g. 4GiB) or a share (25%) in [models.{name}]")
+
+
+def _devices(nvml) -> list:
+    if nvml is None:
+        return []
+    try:
+        return nvml.snapshot()
+    except DetectError as exc:
+        log.warning("NVML cannot list the GPUs: %s", exc.message)
+        return []
+
+
+def _site(settings: Settings, app, registry, metrics, lifecycle):
+    """Host the app in two WSGI thread pools behind the service's Site; return the site and the pools."""
+    from twisted.internet import reactor
+    from twisted.python.threadpool import ThreadPool
+    from twisted.web.wsgi import WSGIResource
+
+    from .site import DetectSite, ProbeFirstRoot, whole_body_input
+
+    wsgi_app = whole_body_input(app)
+    resources, pools = [], []
+    for name, size in (("wsgi", settings.http_threads), ("wsgi-control", CONTROL_THREADS)):
+        pool = ThreadPool(minthreads=1, maxthreads=size, name=name)
+        reactor.callWhenRunning(pool.start)
+        pools.append(pool)
+        resources.append(WSGIResource(reactor, pool, wsgi_app))
+
+    def queue_refusal(target: str):
+        try:
+            model = registry.get(target) if target else registry.default()
+        except DetectError:
+            return None  # the app answers 404
+        return model.queue.refusal()
+
+    def refused(route: str, status: int, target: str):
+        try:
+            name = target or registry.default().name
+        except DetectError:
+            name = ""
+        metrics.observe_refusal(route, status, name)
+
+    site = DetectSite(ProbeFirstRoot(*resources), settings, lifecycle, on_refused=refused,
+                      queue_refusal=queue_refusal)
+    metrics.watch_in_flight(lambda: site.in_flight)
+    return site, pools
+
+
+def run(server: Server) -> int:
+    """Bind, start the models, and run the reactor until shutdown; return the exit status."""
+    from twisted.internet import reactor, task, threads
+    from twisted.internet.error import CannotListenError
+
+    settings = server.settings
+    try:
+        port = reactor.listenTCP(settings.port, server.site, interface=settings.host)
+    except CannotListenError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.socketError)
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.socketError}", file=sys.stderr)
+        return 1
+    address = port.getHost()
+    server.lifecycle.listening(address.host, address.port)
+    log.info("listening on http://%s:%d (models %s; default %s)", address.host, address.port,
+             ", ".join(server.registry.names()), _default_name(server.registry))
+
+    def watch_readiness():
+        failure = server.registry.boot_failure()
+        if failure is not None:
+            log.error("cannot load a preloaded model: %s", failure)
+            print(f"error: {failure}", file=sys.stderr)
+            server.status = 2
+            readiness.stop()
+            reactor.stop()
+        elif server.registry.ready:
+            readiness.stop()
+            if server.lifecycle.serving():
+                log.info("ready: %s", ", ".join(f"{m['name']} version {m['version']}"
+                                                for m in server.registry.describe() if m["state"] == "ready"))
+
+    readiness = task.LoopingCall(watch_readiness)
+
+    def shut_down():
+        if server.lifecycle.begin_draining():
+            log.info("shutting down: not ready, refusing new work, %d request(s) in flight (%d inference)",
+                     server.site.in_flight, server.site.inference_in_flight)
+        drained = server.site.drain(port, settings.shutdown_grace_s)
+        drained.addCallback(lambda _: threads.deferToThread(server.registry.close, settings.shutdown_grace_s))
+        return drained
+
+    reactor.callWhenRunning(server.registry.start)
+    reactor.callWhenRunning(readiness.start, 0.1)
+    reactor.addSystemEventTrigger("before", "shutdown", shut_down)
+    reactor.run()
+    server.lifecycle.stopped()
+    return _finish(server)
+
+
+def _default_name(registry) -> str:
+    try:
+        return registry.default().name
+    except DetectError:
+        return "none (set default_model)"
+
+
+def _finish(server: Server) -> int:
+    # Stop the WSGI pools off the reactor thread: a request still running past the grace waits on
+    # the stopped reactor for ever, and joining its thread would hang the exit.
+    stopper = threading.Thread(target=lambda: [pool.stop() for pool in server.pools], daemon=True)
+    stopper.start()
+    stopper.join(5.0)
+    server.registry.close(5.0)  # a no-op after a drain; workers never outlive the server
+    if server.nvml is not None:
+        server.nvml.close()
+    log.info("stopped")
+    if stopper.is_alive():
+        log.warning("abandoning request(s) still running after the shutdown grace")
+        logging.shutdown()
+        os._exit(server.status)  # their threads would keep the process alive
+    return server.status

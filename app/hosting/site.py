@@ -1,0 +1,304 @@
+"""Twisted's side of HTTP: a Site that limits bodies before buffering them, logs access, and drains.
+
+Twisted buffers a whole request body before the WSGI app sees it, so the body limit is enforced
+here, as the bytes arrive (Content-Length and chunked alike), and again by Flask.
+Everything here runs in the reactor (I/O) thread.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import logging
+import time
+from typing import Callable, Optional
+
+from twisted.internet import defer, task
+from twisted.web import http, resource, server
+
+from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, Overloaded, RequestError, http_status
+from ..http.errors import ErrorAnswer, error_answer
+from ..http.paths import Target, inference_target, protocol_of
+from ..settings import Settings
+
+access_log = logging.getLogger("app.access")
+log = logging.getLogger(__name__)
+
+
+def whole_body_input(app):
+    """Wrap a WSGI app to tell it the input stream ends at the body's end.
+
+    Twisted hands the app a fully buffered body, so reading to EOF is safe; without this flag
+    Werkzeug reads nothing from a chunked body, which has no Content-Length.
+    """
+
+    def wrapped(environ, start_response):
+        environ["wsgi.input_terminated"] = True
+        return app(environ, start_response)
+
+    return wrapped
+
+
+CONTROL_PATHS = (b"healthz", b"readyz", b"metrics", b"gpu")
+IN_MEMORY_BODY_BYTES = 4 * 2**20  # bodies up to this size are held in memory, not spooled to disk
+DISCARD_ALLOWANCE = 64 * 2**20  # bytes past the limit read and dropped after a 413, before aborting
+
+
+class ProbeFirstRoot(resource.Resource):
+    """Send probes and metrics to their own WSGI thread pool, everything else to the main one.
+
+    Both resources host the same Flask app; the split only keeps /readyz and /healthz from queueing
+    behind inference when every main thread is busy.
+    """
+
+    def __init__(self, main: resource.Resource, control: resource.Resource):
+        super().__init__()
+        self._main = main
+        self._control = control
+
+    def getChildWithDefault(self, path, request):
+        # Give the segment back, so the WSGI app sees the whole path, as it would at the root.
+        request.postpath.insert(0, request.prepath.pop())
+        return self._control if path in CONTROL_PATHS else self._main
+
+
+class DetectRequest(server.Request):
+    """A request that refuses an over-limit body with 413 as soon as it is known to be over."""
+
+    _rejected = False
+    _received = 0
+    _started = 0.0
+
+    def gotLength(self, length):
+        self._started = time.monotonic()
+        limit = self.channel.site.settings.max_body_bytes
+        if length is not None and length > limit:
+            self._reject(f"the request body is {length} bytes, over the limit of {limit} bytes")
+            return
+        if length is not None and length <= IN_MEMORY_BODY_BYTES:
+            # Twisted spools bodies from 100 kB to a temporary file: a disk write and read for every
+            # photo. Photos stay in memory; larger and chunked bodies still spool.
+            self.content = io.BytesIO()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data):
+        self._received += len(data)
+        limit = self.channel.site.settings.max_body_bytes
+        if self._rejected:
+            # Read and drop the rest, so a client still sending sees our 413 rather than a reset;
+            # past the discard allowance, stop reading.
+            if self._received > limit + DISCARD_ALLOWANCE:
+                self.channel.transport.abortConnection()
+            return
+        if self._received > limit:
+            self._reject(f"the request body is over the limit of {limit} bytes")
+            return
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command, path, version):
+        if self._rejected:
+            self.channel.transport.loseConnection()
+            return
+        super().requestReceived(command, path, version)
+
+    def process(self):
+        site = self.channel.site
+        path = self.path.split(b"?", 1)[0].decode("latin-1")
+        target = inference_target(path)
+        if target is not None:
+            refusal = site.admit_inference(target)
+            if refusal is not None:
+                self.notifyFinish().addBoth(site.log_access, self)
+                self._refuse(refusal, protocol_of(path))
+                return
+            self.notifyFinish().addBoth(site.inference_done)
+        site.in_flight += 1
+        # notifyFinish fires on finish or on a lost connection; Twisted's own log call runs only on
+        # finish, which a client that has read its whole answer and hung up can beat.
+        self.notifyFinish().addBoth(site.request_done, self)
+        super().process()
+
+    def _refuse(self, error: RequestError, protocol: str) -> None:
+        """Answer `error` from the reactor, as the app's error handler would, without running the app."""
+        answer = error_answer(error, protocol)
+        self.setResponseCode(answer.status)
+        for name, value in answer.headers:
+            if name != "Content-Length":  # Twisted sets it from what is written
+                self.setHeader(name.encode(), value.encode())
+        if getattr(error, "retry_after_s", None) is None:  # shutting down: this connection has no future here
+            self.setHeader(b"connection", b"close")
+        self.write(answer.body)
+        self.finish()
+
+    def _reject(self, message: str) -> None:
+        """Answer 413 at once; the rest of the body is dropped unread, and the connection then closed."""
+        self._rejected = True
+        self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
+        path = getattr(self.channel, "_path", b"").split(b"?", 1)[0].decode("latin-1", "replace")
+        self.channel.transport.write(raw_answer(error_answer(BodyTooLarge(message), protocol_of(path))))
+        access_log.info("%s %s 413 (body over limit, refused while receiving)",
+                        getattr(self.channel, "_command", b"-").decode("latin-1"),
+                        getattr(self.channel, "_path", b"-").decode("latin-1", "replace")[:200])
+
+
+class DetectChannel(http.HTTPChannel):
+    """An HTTP connection with deadlines for a request's headers and for its body.
+
+    The idle timeout restarts on every byte, so a client dripping headers (slowloris) or a body that
+    stalls after a large Content-Length would hold the connection for ever; these deadlines do not.
+    The header clock starts at a request's first byte, so idle keep-alive connections are not cut.
+    """
+
+    _header_timer = None
+    _body_timer = None
+    _awaiting_headers = True
+
+    def dataReceived(self, data):
+        if self._awaiting_headers and self._header_timer is None and data:
+            self._header_timer = self.callLater(
+                self.site.settings.header_timeout_s, self._deadline_passed, "request headers")
+        super().dataReceived(data)
+
+    def allHeadersReceived(self):
+        self._awaiting_headers = False
+        self._cancel("_header_timer")
+        self._body_timer = self.callLater(self.site.settings.body_timeout_s, self._deadline_passed, "request body")
+        super().allHeadersReceived()
+
+    def allContentReceived(self):
+        self._cancel("_body_timer")
+        super().allContentReceived()
+
+    def requestDone(self, request):
+        self._awaiting_headers = True
+        super().requestDone(request)
+
+    def connectionLost(self, reason):
+        self._cancel("_header_timer")
+        self._cancel("_body_timer")
+        super().connectionLost(reason)
+
+    def lineLengthExceeded(self, line):
+        """Answer 431 to a request line or header line over Twisted's 16 KiB, instead of a silent close."""
+        self.transport.write(raw_answer(error_answer(
+            HeaderTooLarge(f"a request or header line is over the limit of {self.MAX_LENGTH} bytes"))))
+        self.transport.loseConnection()
+
+    def _cancel(self, name: str) -> None:
+        timer = getattr(self, name)
+        if timer is not None and timer.active():
+            timer.cancel()
+        setattr(self, name, None)
+
+    def _deadline_passed(self, what: str) -> None:
+        setattr(self, "_header_timer" if what == "request headers" else "_body_timer", None)
+        peer = self.transport.getPeer()
+        log.info("closing the connection from %s: %s did not arrive in time", getattr(peer, "host", peer), what)
+        self.transport.abortConnection()
+
+
+def raw_answer(answer: ErrorAnswer) -> bytes:
+    """Write an error answer as raw HTTP/1.1 bytes that close the connection (for refusals before a Request)."""
+    head = [f"HTTP/1.1 {answer.status} {http.RESPONSES.get(answer.status, b'Error').decode()}"]
+    head += [f"{name}: {value}" for name, value in answer.headers]
+    head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + answer.body
+
+
+class DetectSite(server.Site):
+    """The service's Site: idle timeout from the settings, admission of inference, counting for a graceful drain.
+
+    At most `http_threads` inference requests are admitted at once, one per WSGI thread, and none while
+    their model's inference queue is full; the others get 503 with Retry-After at once, from the
+    reactor. Without the first bound, requests beyond the threads would wait in Twisted's unbounded
+    thread-pool queue, out of sight of the inference queue's bound and of their deadline, and
+    overload would show as ever-growing latency instead of 503. Without the second, every request
+    the queue will refuse would first take a thread and decode its image: under 4x overload that
+    halved the throughput of the requests admitted.
+
+    `queue_refusal(target)` is called in the reactor for each inference request, with the model it
+    names (DEFAULT_MODEL for /detect); it returns the Overloaded error that model's queue would
+    answer now, or None. `lifecycle.draining` turns every new inference request away.
+    """
+
+    requestFactory = DetectRequest
+    protocol = DetectChannel
+
+    def __init__(self, resource, settings: Settings, lifecycle,
+                 on_refused: Optional[Callable[[str, int, str], None]] = None,
+                 queue_refusal: Callable[[str], Optional[Overloaded]] = lambda target: None):
+        options = {}
+        if "parsePOSTFormSubmission" in inspect.signature(server.Site.__init__).parameters:
+            # Twisted would parse multipart and urlencoded bodies itself, in the reactor thread (stalling
+            # every connection on a body of many parts) and answer a malformed one with a bare 400.
+            # Werkzeug parses them in a WSGI thread, with its part limits, and we answer in JSON.
+            options["parsePOSTFormSubmission"] = False
+        super().__init__(resource, timeout=settings.idle_timeout_s, **options)
+        self.settings = settings
+        self.lifecycle = lifecycle
+        self.in_flight = 0  # every request the app is handling, probes included
+        self.inference_in_flight = 0
+        self.displayTracebacks = False
+        self._on_refused = on_refused  # called with (route, status, model) of each request refused here
+        self._queue_refusal = queue_refusal
+
+    def admit_inference(self, target: Target) -> Optional[RequestError]:
+        """Count an inference request in, or return the error that refuses it."""
+        if self.lifecycle.draining:
+            # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
+            refusal: Optional[RequestError] = NotReady("the server is shutting down; retry on another instance")
+        elif self.inference_in_flight >= self.settings.http_threads:
+            refusal = Overloaded(f"the server is handling {self.inference_in_flight} inference requests, its "
+                                 "limit (http_threads); retry shortly")
+        else:
+            refusal = self._queue_refusal(target.model)
+        if refusal is None:
+            self.inference_in_flight += 1
+        elif self._on_refused is not None:
+            self._on_refused(target.route, http_status(refusal), target.model)
+        return refusal
+
+    def inference_done(self, result) -> None:
+        """Count an admitted inference request out; swallows the client-went-away failure."""
+        self.inference_in_flight -= 1
+
+    def request_done(self, result, request) -> None:
+        """Count a request out of flight and log it; swallows the client-went-away failure."""
+        self.in_flight -= 1
+        self.log_access(result, request)
+
+    def log_access(self, result, request) -> None:
+        """Write one access-log line: method, path, status, duration."""
+        started = getattr(request, "_started", 0.0) or time.monotonic()
+        # `result` is a Failure when the connection closed before finish(); with WSGI that is common
+        # even for complete answers (the client reads Content-Length bytes and hangs up first).
+        access_log.info(
+            "%s %s %s %.1fms",
+            request.method.decode("latin-1"), request.uri.decode("latin-1", "replace")[:200],
+            request.code, (time.monotonic() - started) * 1000,
+        )
+
+    def log(self, request) -> None:
+        """Twisted's access log hook; log_access replaces it."""
+
+    def drain(self, port, grace_s: float) -> defer.Deferred:
+        """Wait until no request is in flight (at most grace_s), then stop listening.
+
+        The lifecycle is draining already, so new inference requests are refused. The port stays open
+        meanwhile, so probes see /readyz answer 503 rather than a refused connection.
+        """
+        deadline = time.monotonic() + grace_s
+        done = defer.Deferred()
+
+        def check():
+            if self.in_flight <= 0 or time.monotonic() >= deadline:
+                if self.in_flight > 0:
+                    log.warning("shutdown grace of %.0f s is over with %d request(s) in flight", grace_s,
+                                self.in_flight)
+                loop.stop()
+
+        loop = task.LoopingCall(check)
+        loop.start(0.05, now=True).addCallback(lambda _: done.callback(None))
+        done.addCallback(lambda _: port.stopListening())
+        return done

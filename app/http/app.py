@@ -1,0 +1,104 @@
+"""The Flask app factory: the service object the routes share, the error handlers, request metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from flask import Flask, Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
+
+from ..errors import BadRequest, BodyTooLarge, InternalError, MethodNotAllowed, NotFound, RequestError
+from ..metrics import ServiceMetrics
+from ..settings import Settings
+from .errors import error_answer
+from .paths import protocol_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """What the routes need, attached to the app as app.extensions['detect'].
+
+    `models` is the model registry (app.models.registry.ModelRegistry, or a stand-in with its
+    interface); `gpu` builds /gpu; `lifecycle` says whether the server is draining.
+    """
+
+    settings: Settings
+    models: Any
+    gpu: Any
+    metrics: ServiceMetrics
+    lifecycle: Any
+
+
+def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics] = None, lifecycle=None) -> Flask:
+    """Build the Flask app around its collaborators; tests pass their own."""
+    from .detect import routes as detect_routes
+    from .models import routes as model_routes
+    from .ops import routes as ops_routes
+
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    app.extensions["detect"] = Service(settings, models, gpu, metrics or ServiceMetrics(gpu), lifecycle)
+    for blueprint in (detect_routes, model_routes, ops_routes):
+        app.register_blueprint(blueprint)
+    app.register_error_handler(RequestError, _request_error)
+    app.register_error_handler(HTTPException, _http_exception)
+    app.register_error_handler(Exception, _unexpected_error)
+    app.before_request(_start_timer)
+    app.after_request(_record_request)
+    return app
+
+
+def service() -> Service:
+    """Return the service of the app handling the current request."""
+    return current_app.extensions["detect"]
+
+
+def error_response(error: RequestError, extra_headers=()) -> Response:
+    """Answer `error` in the current request's protocol."""
+    answer = error_answer(error, protocol_of(request.path), extra_headers)
+    return Response(answer.body, status=answer.status, headers=list(answer.headers))
+
+
+ROUTES_HINT = "/detect, /models, /models/<name>/detect, /gpu, /healthz, /readyz, /metrics, /v2/repository/..."
+
+
+def _request_error(error: RequestError):
+    return error_response(error)
+
+
+def _http_exception(error: HTTPException):
+    # Werkzeug's own refusals (routing, the body limit) in the project's error tree.
+    status = error.code or 500
+    if status == 404:
+        return error_response(NotFound(f"no route {request.path[:200]}; routes are {ROUTES_HINT}"))
+    if status == 405:
+        allow = [("Allow", ", ".join(error.valid_methods))] if getattr(error, "valid_methods", None) else []
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.path[:200]}"), allow)
+    if status == 413:
+        return error_response(BodyTooLarge(
+            f"the request body is over the limit of {service().settings.max_body_bytes} bytes"))
+    if 400 <= status < 500:
+        return error_response(BadRequest(error.description or error.name))
+    return _unexpected_error(error)
+
+
+def _unexpected_error(error: Exception):
+    log.error("unexpected error on %s %s", request.method, request.path[:200], exc_info=error)
+    return error_response(InternalError("an internal error occurred; it has been logged"))
+
+
+def _start_timer():
+    g.started = time.perf_counter()
+
+
+def _record_request(response):
+    rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    service().metrics.observe_request(rule, response.status_code, time.perf_counter() - g.get("started", 0.0),
+                                      g.get("model", ""))
+    return response

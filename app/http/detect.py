@@ -1,0 +1,93 @@
+"""This service's own detection routes: POST /detect (the default model) and POST /models/<name>/detect."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flask import Blueprint, g, jsonify, request
+
+from ..errors import DetectError, InferenceFailed, InvalidBody
+from ..inference.detections import to_detections
+from ..inference.images import decode_image
+from .app import service
+from .detect_request import RAW_IMAGE_TYPES, check_raw_type, images_from_json, media_type, parse_params
+
+log = logging.getLogger(__name__)
+
+routes = Blueprint("detect", __name__)
+
+
+@routes.post("/detect")
+def detect_default():
+    return _detect(service().models.default())
+
+
+@routes.post("/models/<name>/detect")
+def detect_model(name: str):
+    return _detect(service().models.get(name))
+
+
+def _detect(model):
+    """Decode the request's images, run them on `model`, and answer with labelled pixel boxes."""
+    settings = service().settings
+    g.model = model.name
+    started = time.perf_counter()
+    deadline = time.monotonic() + settings.request_deadline_s
+    params = parse_params(request.args, settings.default_threshold)
+    model.admit()  # holds the model loaded, and starts loading it if it is not, while the images decode
+    try:
+        blobs, plural = _image_blobs(settings.max_images_per_request)
+        images = [decode_image(blob, settings.max_image_pixels) for blob in blobs]
+        decoded = time.perf_counter()
+        load_s = model.wait_ready(deadline)
+        try:
+            outputs = model.detect_outputs([image.pixels for image in images], deadline)
+        except DetectError:
+            raise
+        except Exception as exc:
+            log.exception("inference failed for a request of %d image(s) to model %s", len(images), model.name)
+            raise InferenceFailed(f"the model failed on this request: {type(exc).__name__}") from None
+    finally:
+        model.release()
+    finished = time.perf_counter()
+    timing = {"decode": round((decoded - started) * 1000, 2)}
+    if load_s > 0:
+        timing["load"] = round(load_s * 1000, 2)
+    timing["inference"] = round((finished - decoded - load_s) * 1000, 2)
+    timing["total"] = round((finished - started) * 1000, 2)
+    labels = model.labels
+    answers = [
+        {"width": image.width, "height": image.height,
+         "detections": [d.to_json() for d in to_detections(out, image.width, image.height, labels,
+                                                           params.threshold, params.max_detections)]}
+        for image, out in zip(images, outputs)
+    ]
+    version = outputs[0].version if outputs and outputs[0].version else (model.version.version if model.version else None)
+    answer_model = {"name": model.name, "version": version}
+    if len(answers) == 1 and not plural:
+        return jsonify({"model": answer_model, **answers[0], "timing_ms": timing})
+    return jsonify({"model": answer_model, "results": answers, "timing_ms": timing})
+
+
+def _image_blobs(limit: int) -> tuple[list[bytes], bool]:
+    """Return the request's image bytes, and whether the client sent a list ("images")."""
+    kind = media_type(request.content_type)
+    check_raw_type(kind)
+    plural = False
+    if kind in RAW_IMAGE_TYPES:
+        blobs = [request.get_data(cache=False)]
+    elif kind == "multipart/form-data":
+        files = request.files.getlist("image")
+        if not files:
+            fields = sorted(set(request.files) | set(request.form))
+            raise InvalidBody(
+                "the multipart body has no 'image' file field"
+                + (f" (it has {', '.join(repr(f) for f in fields[:5])})" if fields else "")
+            )
+        blobs = [f.read() for f in files]
+    else:
+        blobs, plural = images_from_json(request.get_data(cache=False))
+    if len(blobs) > limit:
+        raise InvalidBody(f"the request has {len(blobs)} images; at most {limit} are accepted")
+    return blobs, plural

@@ -1,0 +1,1 @@
+"""Detection itself: decoding images, batching them, running a SavedModel, and turning outputs into boxes."""

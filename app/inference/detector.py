@@ -1,0 +1,204 @@
+"""Run a TF2 SavedModel that honours the Object Detection API serving contract.
+
+Contract: signature `serving_default` with one uint8 image input of shape [B, H, W, 3], where B is
+1 (model-zoo exports) or None (any batch); outputs `detection_boxes` (normalized
+[ymin, xmin, ymax, xmax]), `detection_classes` (1-based, float), `detection_scores` and
+`num_detections`. Other outputs are ignored.
+
+It runs inside a model's worker process (app.models.worker); the HTTP process never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..errors import DetectError, InferenceFailed, ModelError, OutOfMemory
+from .detections import OUTPUT_NAMES, Detection, ModelOutputs, to_detections
+from .labels import load_label_map
+from ..models.repository import ModelVersion, resolve_model
+
+log = logging.getLogger(__name__)
+
+# Called after each model call with (images in the call, seconds it took).
+CallObserver = Callable[[int, float], None]
+
+
+class Detector:
+    """A loaded detector; `detect` may be called from many threads at once."""
+
+    def __init__(self, model: ModelVersion, loaded, signature, labels: dict[int, str],
+                 on_model_call: Optional[CallObserver] = None, on_out_of_memory: Optional[Callable[[], None]] = None,
+                 memory_limit: str = "this instance's memory policy"):
+        self.model = model
+        self._on_out_of_memory = on_out_of_memory
+        self.memory_limit = memory_limit  # named in out-of-memory errors, e.g. "the GPU cap of 4096 MiB"
+        self._loaded = loaded  # keeps the variables alive for as long as the signature is used
+        self._signature = signature
+        self.labels = labels
+        self._on_model_call = on_model_call
+        self.input_name, self.input_dtype, self.input_shape = _input_spec(signature, model)
+        _check_outputs(signature, model)
+        # The batch dimension caps how many images one call may carry: 1 for zoo exports.
+        batch = self.input_shape[0]
+        self.max_batch: Optional[int] = None if batch is None else int(batch)
+        import tensorflow as tf
+
+        self._tf = tf
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def version(self) -> str:
+        return self.model.version
+
+    def run(self, batch: np.ndarray) -> list[ModelOutputs]:
+        """Run one model call on a [B, H, W, 3] uint8 batch; B must fit the batch dimension."""
+        if self.max_batch is not None and batch.shape[0] > self.max_batch:
+            raise ValueError(f"batch of {batch.shape[0]} exceeds the model's batch dimension {self.max_batch}")
+        started = time.perf_counter()
+        outputs = self._signature(**{self.input_name: self._tf.convert_to_tensor(batch)})
+        boxes = outputs["detection_boxes"].numpy()
+        classes = outputs["detection_classes"].numpy()
+        scores = outputs["detection_scores"].numpy()
+        counts = outputs["num_detections"].numpy().reshape(-1)
+        if self._on_model_call is not None:
+            self._on_model_call(batch.shape[0], time.perf_counter() - started)
+        boxes, classes, scores = (a.astype(np.float32, copy=False) for a in (boxes, classes, scores))
+        return [
+            ModelOutputs(boxes=boxes[i], classes=classes[i], scores=scores[i],
+                         count=int(min(max(counts[i], 0), scores.shape[1])))
+            for i in range(batch.shape[0])
+        ]
+
+    def signature(self) -> dict:
+        """Describe the serving signature: the image input and the contract's outputs, -1 for any size."""
+        outputs = self._signature.structured_outputs
+        return {
+            "input": {"name": self.input_name, "dtype": self.input_dtype,
+                      "shape": [-1 if d is None else int(d) for d in self.input_shape]},
+            "outputs": [
+                {"name": name, "dtype": outputs[name].dtype.name,
+                 "shape": [-1 if d is None else int(d) for d in outputs[name].shape.as_list()]}
+                for name in OUTPUT_NAMES
+            ],
+        }
+
+    def run_batch(self, batch: np.ndarray) -> list["ModelOutputs | DetectError"]:
+        """Run a batch; where it fails, split it in halves down to single images.
+
+        So one bad image fails alone, and a batch that does not fit under the memory cap is retried
+        in smaller calls. Return one result or error per image, in order.
+        """
+        try:
+            return self.run(batch)
+        except self._tf.errors.ResourceExhaustedError as exc:
+            if self._on_out_of_memory is not None:
+                self._on_out_of_memory()
+            if batch.shape[0] == 1:
+                log.warning("out of memory on one %dx%d image under %s: %s", batch.shape[2], batch.shape[1],
+                            self.memory_limit, _first_line(exc))
+                return [OutOfMemory(
+                    f"the model ran out of memory on this image alone under {self.memory_limit}; "
+                    "send a smaller image or raise the cap"
+                )]
+            log.warning("out of memory on a batch of %d under %s; retrying in halves", batch.shape[0],
+                        self.memory_limit)
+        except Exception as exc:  # the model's own failure on some input; isolate it
+            if batch.shape[0] == 1:
+                log.error("the model failed on one %dx%d image: %s: %s", batch.shape[2], batch.shape[1],
+                          type(exc).__name__, _first_line(exc))
+                return [InferenceFailed(f"the model failed on this image: {type(exc).__name__}")]
+        half = batch.shape[0] // 2
+        return self.run_batch(batch[:half]) + self.run_batch(batch[half:])
+
+    def infer(self, images: Sequence[np.ndarray]) -> list[ModelOutputs]:
+        """Run images through the model, in as few calls as the batch dimension and sizes allow."""
+        results: list[Optional[ModelOutputs]] = [None] * len(images)
+        limit = self.max_batch or len(images) or 1
+        groups: dict[tuple, list[int]] = {}
+        for i, image in enumerate(images):
+            groups.setdefault(image.shape, []).append(i)
+        for positions in groups.values():
+            for start in range(0, len(positions), limit):
+                chunk = positions[start:start + limit]
+                batch = np.stack([images[i] for i in chunk]) if len(chunk) > 1 else images[chunk[0]][None]
+                for i, out in zip(chunk, self.run_batch(batch)):
+                    if isinstance(out, DetectError):
+                        raise out
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+    def detect(self, images: Sequence[np.ndarray], threshold: float, max_detections: int,
+               deadline: Optional[float] = None) -> list[list[Detection]]:
+        """Detect objects in RGB uint8 images [H, W, 3]; one list per image, best score first.
+
+        In-process use runs the calls in the caller's thread; `deadline` is ignored here.
+        """
+        return [
+            to_detections(out, image.shape[1], image.shape[0], self.labels, threshold, max_detections)
+            for image, out in zip(images, self.infer(images))
+        ]
+
+    def warm_up(self) -> None:
+        """Run one inference so the first request does not pay for tracing and allocation."""
+        height = self.input_shape[1] or 320
+        width = self.input_shape[2] or 320
+        self.run(np.zeros((1, height, width, 3), dtype=np.uint8))
+
+
+def _input_spec(signature, model: ModelVersion):
+    _, kwargs = signature.structured_input_signature
+    if len(kwargs) != 1:
+        raise ModelError(
+            f"model {model.path}: serving_default must take one image input, it takes {sorted(kwargs) or 'none'}"
+        )
+    (name, spec), = kwargs.items()
+    shape = spec.shape
+    if spec.dtype.name != "uint8" or shape.rank != 4 or shape[3] not in (3, None):
+        raise ModelError(
+            f"model {model.path}: input {name!r} is {spec.dtype.name} {shape}; "
+            "the contract is a uint8 image of shape [batch, height, width, 3]"
+        )
+    return name, spec.dtype.name, tuple(shape.as_list())
+
+
+def _check_outputs(signature, model: ModelVersion) -> None:
+    outputs = signature.structured_outputs
+    missing = [key for key in OUTPUT_NAMES if key not in outputs]
+    if missing:
+        raise ModelError(f"model {model.path}: serving_default lacks the outputs {', '.join(missing)}")
+
+
+def load_detector(path, on_model_call: Optional[CallObserver] = None, **options) -> Detector:
+    """Load the model at a base path or version folder; raise ModelError naming what is wrong.
+
+    `options` go to Detector (on_out_of_memory, memory_limit).
+    """
+    model = resolve_model(path)
+    import tensorflow as tf
+
+    try:
+        loaded = tf.saved_model.load(str(model.path))
+    except Exception as exc:  # TF raises many types (OSError, DecodeError, NotFoundError...) for bad files
+        raise ModelError(f"model {model.path} cannot be loaded as a SavedModel: {_first_line(exc)}") from None
+    signatures = getattr(loaded, "signatures", {})
+    if "serving_default" not in signatures:
+        raise ModelError(f"model {model.path} has no serving_default signature (it has {sorted(signatures)})")
+    labels = load_label_map(model.path / "label_map.pbtxt")
+    detector = Detector(model, loaded, signatures["serving_default"], labels, on_model_call, **options)
+    log.info(
+        "loaded model %s version %s from %s: input %s %s, %d labels",
+        model.name, model.version, model.path, detector.input_name, list(detector.input_shape), len(labels),
+    )
+    return detector
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,189 @@
+"""What runs inside a model's worker process, and nothing else does: `python -m app.models.worker --channel-fd N`.
+
+A worker starts as a spare: it imports TensorFlow (the slow part, about 3.5 s here), creates no tensor
+and applies no memory policy, says `spare` on its control channel and waits. Given a model (`load`),
+it applies that model's memory policy (TensorFlow's GPUs are still uninitialized, so the policy takes
+effect), loads and warms the model, says `loaded` with the signature, and then serves model calls on
+its lanes: each lane is a socket and a shared-memory buffer, served by a thread of its own, so that
+`inference_threads` calls run at once. A load that fails says `load_failed` and exits with BOOT_ERROR.
+
+The control channel also takes `stats` (TensorFlow's allocator figures) and `stop`. When the HTTP
+process goes away, the channel closes and the worker exits: no orphan keeps GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+log = logging.getLogger("app.worker")
+
+
+class ModelWorker:
+    """The worker's side: init_process (policy, load, warm-up), then run (lanes and control)."""
+
+    def __init__(self, control):
+        self.control = control
+        self.detector = None
+        self.policy = None
+        self._lanes: list[threading.Thread] = []
+        self._calls = threading.local()  # per lane: out-of-memory events in the call under way
+
+    def init_process(self, request: dict, fds: list[int]) -> None:
+        """Apply the model's memory policy, load and warm the model, open the lanes; raise DetectError."""
+        from ..gpu.memory_policy import parse_gpu_list, parse_memory_spec
+        from ..gpu.setup import setup_gpus
+        from ..inference.detector import load_detector
+        from .channel import Channel, SharedBuffer
+
+        model = request["model"]
+        gpus = parse_gpu_list(model["gpus"])
+        setup = setup_gpus(parse_memory_spec(model["gpu_memory"]), gpus)
+        if setup.nvml is not None:
+            setup.nvml.close()  # the HTTP process reads NVML; the worker only needed totals for a share
+        self.policy = setup.policy
+        self.detector = load_detector(model["path"], memory_limit=setup.policy.memory_limit(),
+                                      on_out_of_memory=self._out_of_memory)
+        self.detector.warm_up()
+        lanes = len(fds) // 2
+        for i in range(lanes):
+            lane = Channel(socket.socket(fileno=fds[2 * i]))
+            buffer = SharedBuffer(f"lane-{i}", fd=fds[2 * i + 1])
+            thread = threading.Thread(target=self._serve_lane, args=(lane, buffer), name=f"lane-{i}", daemon=True)
+            self._lanes.append(thread)
+
+    def run(self) -> int:
+        """Serve the lanes and the control channel until `stop` or the HTTP process goes away."""
+        from .channel import ChannelClosed
+
+        for thread in self._lanes:
+            thread.start()
+        while True:
+            try:
+                header, _, _ = self.control.receive()
+            except ChannelClosed:
+                log.info("the server closed the control channel; exiting")
+                return 0
+            op = header.get("op")
+            if op == "stop":
+                log.info("stopping on request")
+                return 0
+            if op == "stats":
+                self.control.send({"event": "stats", "id": header.get("id"), "tensorflow": self._tensorflow_memory()})
+
+    def _tensorflow_memory(self) -> list:
+        if self.policy is None or not self.policy.gpus:
+            return []
+        from ..gpu.memory_policy import tensorflow_memory_info
+
+        try:
+            return tensorflow_memory_info()
+        except Exception as exc:  # a report, never a reason to fail
+            return [{"error": str(exc)}]
+
+    def _out_of_memory(self) -> None:
+        self._calls.out_of_memory = getattr(self._calls, "out_of_memory", 0) + 1
+
+    def _serve_lane(self, lane, buffer) -> None:
+        from ..errors import DetectError
+        from ..inference.detections import stack_outputs
+        from .channel import ChannelClosed
+
+        while True:
+            try:
+                header, _, _ = lane.receive()
+            except ChannelClosed:
+                return
+            started = time.perf_counter()
+            self._calls.out_of_memory = 0
+            batch = buffer.array(header["shape"])
+            results = self.detector.run_batch(batch)
+            errors = [{"code": r.code, "message": r.message} if isinstance(r, DetectError) else None
+                      for r in results]
+            good = [r for r in results if not isinstance(r, DetectError)]
+            outputs = stack_outputs(good)
+            del batch
+            try:
+                lane.send({"errors": errors, "seconds": time.perf_counter() - started,
+                           "out_of_memory": self._calls.out_of_memory}, outputs)
+            except ChannelClosed:
+                return
+
+
+def prepare() -> None:
+    """Do the slow part of starting before any model is known: import TensorFlow and the detector.
+
+    This creates no tensor and touches no device, so the memory policy applied later still takes effect.
+    """
+    from ..process import configure_cuda_order
+
+    configure_cuda_order()
+    import tensorflow  # noqa: F401
+
+    from ..inference import detector  # noqa: F401
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.models.worker")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(name)s: %(message)s")
+    from ..errors import DetectError
+    from ..supervision import BOOT_ERROR
+    from .channel import Channel, ChannelClosed
+
+    control = Channel(socket.socket(fileno=args.channel_fd))
+    started = time.perf_counter()
+    prepare()
+    try:
+        control.send({"event": "spare", "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3)})
+        header, _, fds = control.receive()
+    except ChannelClosed:
+        return 0
+    if header.get("op") != "load":
+        return 0
+    worker = ModelWorker(control)
+    name = f"{header['model']['name']}/{header['model']['version']}"
+    logging.getLogger().handlers[0].setFormatter(logging.Formatter(
+        f"%(asctime)s %(levelname)s worker[{os.getpid()} {name}] %(name)s: %(message)s"))
+    began = time.perf_counter()
+    try:
+        worker.init_process(header, fds)
+    except DetectError as exc:
+        log.error("cannot load model %s: %s", name, exc.message)
+        _say(control, {"event": "load_failed", "error": {"code": exc.code, "message": exc.message}})
+        return BOOT_ERROR
+    except Exception as exc:  # a model that breaks the loader in a way of its own
+        log.exception("cannot load model %s", name)
+        _say(control, {"event": "load_failed", "error": {"code": "invalid_model",
+                                                          "message": f"{type(exc).__name__}: {exc}"}})
+        return BOOT_ERROR
+    _say(control, {"event": "loaded", "signature": worker.detector.signature(),
+                   "max_batch": worker.detector.max_batch, "policy": worker.policy.to_json(),
+                   "seconds": round(time.perf_counter() - began, 3)})
+    log.info("model %s loaded and warmed in %.2f s (%s)", name, time.perf_counter() - began, worker.policy.describe())
+    return worker.run()
+
+
+def _say(control, header: dict) -> None:
+    from .channel import ChannelClosed
+
+    try:
+        control.send(header)
+    except ChannelClosed:
+        pass
+
+
+if __name__ == "__main__":
+    status = main()
+    logging.shutdown()
+    # TensorFlow's own threads can hold interpreter shutdown for seconds; there is nothing left to flush.
+    os._exit(status)
