@@ -1,7 +1,7 @@
 """Check the service's GPU claims against a real GPU: `scripts/gpu-check [--out DIR]`.
 
 On one GPU (--gpu, default 0) it starts holder processes (scripts/gpu_holder.py, through CuPy or
-PyTorch): one with a bare CUDA context, then one per --sizes-mib (2048 and 5120), each waiting
+PyTorch): one with a bare CUDA context, then one per --sizes-mib (default 2048 and 5120), each waiting
 until it is told to exit. Against them it checks:
 
 1. the overhead of a bare CUDA context, as NVML sees it per process (or as the rise of the device's
@@ -20,8 +20,9 @@ until it is told to exit. Against them it checks:
 5. release: each holder is ended, and its memory must be back in NVML's free figure within 5 s
    (what idle unloading relies on), and all of it by the end.
 
-It writes gpu-check.json (every figure and check) and gpu-check.txt (the table it prints) to --out
-(default out/gpu-check), with the holders' logs and the fleet files it planned.
+It writes gpu-check.json (every figure and check), gpu-check.txt (the table it prints) and
+gpu-report.json (the /gpu report it judged) to --out (default out/gpu-check), with the holders' logs
+and the fleet files it planned.
 Exit status: 0 every claim holds (warnings and skips are named), 1 a claim does not hold, 2 it
 cannot run here (no NVML, no GPU, neither CuPy nor PyTorch, or no holder can use the GPU).
 
