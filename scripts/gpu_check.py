@@ -61,13 +61,11 @@ sys.path.insert(0, str(ROOT))
 
 # Every project module this script uses, in one place. Each imports only the standard library and pynvml.
 from app.errors import NvmlUnavailable  # noqa: E402
-from app.fleet import gpu_inventory  # noqa: E402
-from app.fleet_plan import FleetConfig, Plan, load_fleet, make_plan  # noqa: E402
-from app.fleet_state import OTHER, FleetState, InstanceState, write_state  # noqa: E402
-from app.gpu_report import PID_NOT_VISIBLE, GpuReport  # noqa: E402
-from app.gpu_setup import GpuSetup  # noqa: E402
-from app.memory_policy import AppliedPolicy, GpuCap  # noqa: E402
-from app.nvml import DeviceSnapshot, Nvml, ProcessUsage  # noqa: E402
+from app.fleet.cli import gpu_inventory  # noqa: E402
+from app.fleet.plan import FleetConfig, Plan, load_fleet, make_plan  # noqa: E402
+from app.fleet.state import OTHER  # noqa: E402
+from app.gpu.nvml import DeviceSnapshot, Nvml, ProcessUsage  # noqa: E402
+from app.gpu.report import PID_NOT_VISIBLE, GpuReport  # noqa: E402
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
 BACKENDS = ("torch", "cupy")  # auto tries them in this order: torch's context is more like TensorFlow's
@@ -243,47 +241,48 @@ def check_device_totals(device: DeviceSnapshot, driver_version: str, smi: Option
 
 def check_accounting(report: dict, gpu: int, named: Sequence[Named], me: Named, tf_current_mib: float,
                      bystander_pid: int, visible: bool) -> list[Check]:
-    """Judge /gpu's accounting: holders named with overhead = used - cap, or the documented fallback."""
+    """Judge /gpu's accounting: holders named as workers with overhead = used - cap, or the documented fallback."""
     accounting = report["accounting"]
     rows = {r["pid"]: r for g in accounting["gpus"] if g["index"] == gpu for r in g["processes"]}
     nvml_used = {p["pid"]: p["used_mib"] for d in report.get("devices", []) if d["index"] == gpu
                  for p in d["processes"]}
-    (mine,) = [row for row in accounting["this_instance"]["gpus"] if row["index"] == gpu] or [None]
-    this = accounting["this_instance"]
+    (this,) = [w for w in accounting["workers"] if w["pid"] == me.pid] or [None]
+    (mine,) = [row for row in (this or {}).get("gpus", []) if row["index"] == gpu] or [None]
     checks = []
     if not visible:
-        holder_rows = [r for r in rows.values() if r["instance"] != OTHER]
-        ok = (this["pid_visible"] is False and this["source"] == "tensorflow"
+        holder_rows = [r for r in rows.values() if r["owner"] != OTHER]
+        ok = (this is not None and this["pid_visible"] is False and this["source"] == "tensorflow"
               and this["note"] == PID_NOT_VISIBLE.format(pid=me.pid) and not holder_rows
               and mine is not None and mine["used_mib"] is None
               and mine["held_unused_mib"] == round(me.cap_mib - tf_current_mib, 1))
         return [Check("accounting: falls back to TensorFlow's figures where NVML hides the pids", PASS if ok else FAIL,
-                      f"this instance: pid_visible {this['pid_visible']}, source {this['source']}, held unused "
-                      f"{mine and mine['held_unused_mib']} MiB (cap - current {me.cap_mib - tf_current_mib:g}); "
-                      f"{len(rows)} process(es) listed, {len(holder_rows)} named",
-                      {"this_instance": this, "processes": list(rows.values())})]
+                      f"worker {me.name}: pid_visible {this and this['pid_visible']}, source {this and this['source']}, "
+                      f"held unused {mine and mine['held_unused_mib']} MiB (cap - current "
+                      f"{me.cap_mib - tf_current_mib:g}); {len(rows)} process(es) listed, {len(holder_rows)} named",
+                      {"worker": this, "processes": list(rows.values())})]
     for holder in named:
         row = rows.get(holder.pid)
         used = nvml_used.get(holder.pid)
         expected = None if used is None or used < holder.cap_mib else used - holder.cap_mib
-        ok = (row is not None and row["instance"] == holder.name and row["cap_mib"] == holder.cap_mib
-              and row["used_mib"] == used and expected is not None and row["overhead_mib"] == expected)
+        ok = (row is not None and row["owner"] == "worker" and row["model"] == holder.name
+              and row["cap_mib"] == holder.cap_mib and row["used_mib"] == used and expected is not None
+              and row["overhead_mib"] == expected)
         checks.append(Check(f"accounting: {holder.name} named, overhead = used - cap", PASS if ok else FAIL,
-                            f"row {row and {k: row[k] for k in ('instance', 'used_mib', 'cap_mib', 'overhead_mib')}}; "
-                            f"expected overhead {expected}", {"row": row}))
+                            f"row {row and {k: row[k] for k in ('owner', 'model', 'used_mib', 'cap_mib', 'overhead_mib')}}"
+                            f"; expected overhead {expected}", {"row": row}))
     row = rows.get(bystander_pid)
-    ok = row is not None and row["instance"] == OTHER and row["cap_mib"] is None and row["overhead_mib"] is None
-    checks.append(Check("accounting: a process of no instance is 'other'", PASS if ok else FAIL,
+    ok = row is not None and row["owner"] == OTHER and row["cap_mib"] is None and row["overhead_mib"] is None
+    checks.append(Check("accounting: a process of no worker is 'other'", PASS if ok else FAIL,
                         f"row {row}", {"row": row}))
     used = nvml_used.get(me.pid)
     overhead = None if used is None else used - me.cap_mib
-    ok = (this["pid_visible"] is True and this["source"] == "nvml" and mine is not None and mine["used_mib"] == used
-          and mine["overhead_from"] == "NVML used - cap" and mine["overhead_mib"] == overhead
+    ok = (this is not None and this["pid_visible"] is True and this["source"] == "nvml" and mine is not None
+          and mine["used_mib"] == used and mine["overhead_from"] == "NVML used - cap" and mine["overhead_mib"] == overhead
           and overhead is not None and mine["held_unused_mib"] == round(used - tf_current_mib - overhead, 1))
     checks.append(Check("accounting: held unused = used - TF current - overhead", PASS if ok else FAIL,
                         f"{me.name}: used {mine and mine['used_mib']}, overhead {mine and mine['overhead_mib']} "
                         f"({mine and mine['overhead_from']}), held unused {mine and mine['held_unused_mib']} MiB "
-                        f"with TF current {tf_current_mib:g} (stand-in)", {"this_instance": this}))
+                        f"with TF current {tf_current_mib:g} (stand-in)", {"worker": this}))
     return checks
 
 
@@ -563,20 +562,18 @@ class Run:
         return check_device_totals(device, driver, rows.get(self.gpu), error)
 
     def check_accounting(self, named: Sequence[Named], bystander_pid: int, visible: bool) -> list[Check]:
-        """Run /gpu's report as the first holder's instance would, over a state file naming the holders."""
-        state = self.out / "fleet-state.json"
-        write_state(state, FleetState(fleet_pid=os.getpid(), gpu_overhead_mib=DEFAULT_OVERHEAD_MIB, instances=tuple(
-            InstanceState(name=n.name, port=0, model="models/faces", gpu_memory=f"{n.cap_mib}MiB",
-                          caps_mib={self.gpu: n.cap_mib}, pid=n.pid, state="ready")
-            for n in named)))
+        """Run /gpu's report as a server whose model workers are the holders, each capped at its allocation."""
         me = named[0]
         tf_current = me.cap_mib / 2  # no TensorFlow here: a model using half its cap stands in for its figure
-        policy = AppliedPolicy(mode="cap", spec=f"{me.cap_mib}MiB",
-                               gpus=(GpuCap(self.gpu, me.cap_mib, self.snap().memory_total_mib),))
-        setup = GpuSetup(policy=policy, nvml=self.nvml, nvml_reason=None, selected=(self.gpu,))
-        report = GpuReport(setup, tf_memory=lambda: [{"device": "/device:GPU:0", "current_mib": tf_current,
-                                                      "peak_mib": tf_current}],
-                           pid=me.pid, fleet_state=state, instance_name=me.name).to_json()
+        total = self.snap().memory_total_mib
+        workers = [
+            {"pid": n.pid, "model": n.name, "version": "1", "caps_mib": {self.gpu: n.cap_mib},
+             "policy": {"mode": "cap", "spec": f"{n.cap_mib}MiB", "note": None,
+                        "gpus": [{"index": self.gpu, "cap_mib": n.cap_mib, "total_mib": total}]},
+             "tensorflow": [{"device": "/device:GPU:0", "current_mib": tf_current, "peak_mib": tf_current}]}
+            for n in named
+        ]
+        report = GpuReport(self.nvml, selected=(self.gpu,), workers=lambda: workers, pid=os.getpid()).to_json()
         (self.out / "gpu-report.json").write_text(json.dumps(report, indent=1) + "\n")
         return check_accounting(report, self.gpu, named, me, tf_current, bystander_pid, visible)
 

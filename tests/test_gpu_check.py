@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from app.fleet_plan import Gpu, load_fleet, make_plan
-from app.fleet_state import FleetState, InstanceState, write_state
-from app.gpu_report import GpuReport
-from app.gpu_setup import GpuSetup
-from app.memory_policy import AppliedPolicy, GpuCap
-from app.nvml import Nvml
+from app.fleet.plan import load_fleet, make_plan
+from app.gpu.budget import Gpu
+from app.gpu.nvml import Nvml
+from app.gpu.report import GpuReport
 
 from fake_nvml import FakeNvml
 
@@ -164,14 +162,13 @@ def test_memory_must_be_back_in_the_free_figure_within_the_limit(samples, outcom
 # --- the accounting and the budget, through the project's own modules -----------------------------------
 
 def _accounting(tmp_path, library, named, me, bystander):
-    path = tmp_path / "state.json"
-    write_state(path, FleetState(fleet_pid=1, gpu_overhead_mib=500, instances=tuple(
-        InstanceState(name=n.name, port=0, model="m", gpu_memory=f"{n.cap_mib}MiB", caps_mib={0: n.cap_mib}, pid=n.pid,
-                      state="ready") for n in named)))
-    setup = GpuSetup(policy=AppliedPolicy(mode="cap", spec="2048MiB", gpus=(GpuCap(0, me.cap_mib, 143771),)),
-                     nvml=Nvml.open(library), nvml_reason=None, selected=(0,))
-    tf_memory = [{"device": "/device:GPU:0", "current_mib": 1024.0, "peak_mib": 1024.0}]
-    return GpuReport(setup, tf_memory=lambda: tf_memory, pid=me.pid, fleet_state=path, instance_name=me.name).to_json()
+    """The /gpu report of a server whose model workers are the named holders."""
+    workers = [{"pid": n.pid, "model": n.name, "version": "1", "caps_mib": {0: n.cap_mib},
+                "policy": {"mode": "cap", "spec": f"{n.cap_mib}MiB", "note": None,
+                           "gpus": [{"index": 0, "cap_mib": n.cap_mib, "total_mib": 143771}]},
+                "tensorflow": [{"device": "/device:GPU:0", "current_mib": 1024.0, "peak_mib": 1024.0}]}
+               for n in named]
+    return GpuReport(Nvml.open(library), selected=(0,), workers=lambda: workers, pid=1).to_json()
 
 
 def test_the_accounting_names_each_holder_with_its_overhead_and_the_context_as_other(tmp_path):
