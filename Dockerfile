@@ -2,8 +2,11 @@
 #   docker build -t gpu-share-detect .
 #   docker run --gpus all -e DETECT_GPU_MEMORY=4GiB -p 8001:8000 gpu-share-detect
 # Every setting comes from DETECT_* variables (config/default.toml lists them); compose.yaml runs two.
-# The base image carries the pinned TensorFlow (pyproject.toml: tensorflow>=2.21,<2.22) with CUDA.
-FROM tensorflow/tensorflow:2.21.0-gpu
+# The base image carries the pinned TensorFlow (pyproject.toml: tensorflow>=2.21,<2.22) with CUDA. It is an
+# argument only so that the tests can build this same file on a local Debian base with TensorFlow on the CPU
+# (scripts/docker-test-base: no registry is reachable there); leave it as it is.
+ARG BASE_IMAGE=tensorflow/tensorflow:2.21.0-gpu
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -18,7 +21,8 @@ WORKDIR /srv/detect
 
 # The dependencies alone first, from pyproject.toml, so a code change does not reinstall them; TensorFlow
 # is already the base image's. The project needs Python 3.11 or later: fail here rather than at boot.
-# PIP_BREAK_SYSTEM_PACKAGES: the image's Python is the system one, and this container is its only user.
+# PIP_BREAK_SYSTEM_PACKAGES: the image's Python is the system one, and this container is its only user. The
+# TensorFlow image's pip installs as root without it; Debian 12's (PEP 668) refuses to without it.
 COPY pyproject.toml /tmp/detect/
 RUN python3 -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 'Python 3.11+ needed, the image has ' + sys.version)" \
     && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/detect/pyproject.toml', 'rb'))['project']['dependencies']))" \
