@@ -190,7 +190,8 @@ def _engine_missing() -> str | None:
     except subprocess.TimeoutExpired:
         return "no Docker engine answers within 30 s"
     if info.returncode != 0:
-        return f"no Docker engine answers ({info.stderr.strip().splitlines()[-1:]}); .ci/run starts one as root"
+        said = (info.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"no Docker engine answers ({said}); .ci/run starts one as root"
     return None
 
 
