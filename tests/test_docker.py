@@ -220,6 +220,7 @@ class Container:
 
     name: str
     port: int
+    started: float = 0.0  # time.monotonic() when `docker run` was called
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
                 timeout: float = 60.0):
@@ -236,15 +237,15 @@ class Container:
         docker("rm", "--force", self.name, check=False)
 
 
-def run_container(image: str, name: str, env: dict[str, str], *options: str, ready: bool = True,
-                  timeout: float = 120) -> Container:
-    """`docker run -d` the image with `env` as -e; wait until /readyz answers 200 (or only until it listens)."""
+def run_container(image: str, name: str, env: dict[str, str], *options: str, timeout: float = 120) -> Container:
+    """`docker run -d` the image with `env` as -e; wait until /readyz answers 200."""
     docker("rm", "--force", name, check=False)  # one left by an interrupted run
     flags = [f"--env={key}={value}" for key, value in env.items()]
+    started = time.monotonic()
     docker("run", "--detach", "--name", name, "--label", TEST_LABEL, "--publish", "127.0.0.1::8000",
            *flags, *options, image)
     port = int(docker("port", name, "8000").stdout.split()[0].rsplit(":", 1)[1])
-    container = Container(name, port)
+    container = Container(name, port, started)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if container.state(".State.Running") != "true":
@@ -255,7 +256,7 @@ def run_container(image: str, name: str, env: dict[str, str], *options: str, rea
             status = container.request("GET", "/readyz", timeout=5)[0]
         except OSError:
             status = None
-        if status == 200 or (status is not None and not ready):
+        if status == 200:
             return container
         time.sleep(0.2)
     logs = container.logs()
@@ -266,11 +267,9 @@ def run_container(image: str, name: str, env: dict[str, str], *options: str, rea
 @pytest.fixture(scope="module")
 def container(docker_image):
     """The image as the README runs it: a 2 GiB cap and a model from the environment, read-only but for /tmp."""
-    started = time.monotonic()
     running = run_container(docker_image, "gsd-test-main",
                             {"DETECT_GPU_MEMORY": "2GiB", "DETECT_MODEL": "models/faces"},
                             "--read-only", "--tmpfs", "/tmp")
-    running.started = started
     yield running
     running.remove()
 
