@@ -309,6 +309,8 @@ class WorkerPool:
         if worker is None:
             worker = self._spawn()
         while not worker.spare.wait(0.1):
+            if worker.exit_code == BOOT_ERROR:  # it cannot start here, and would not on a second try
+                raise ModelError(f"{worker.describe()} cannot start: importing TensorFlow failed; see the log above")
             if worker.exit_code is not None:  # a crash, retried with backoff like any other
                 raise WorkerLost(f"{worker.describe()} {describe_exit(worker.exit_code)} while starting "
                                  "(importing TensorFlow); see the log above")
