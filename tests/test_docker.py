@@ -24,7 +24,7 @@ import pytest
 
 from conftest import ROOT, http_request, in_flight
 from app.gpu.memory_policy import parse_memory_spec
-from app.settings import Settings
+from app.settings import Settings, load_settings
 
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -105,7 +105,12 @@ def test_the_image_is_the_pinned_tensorflow_gpu_one_run_as_a_user_stopped_by_sig
     assert "/healthz" in " ".join(exec_form("HEALTHCHECK"))
     env = image_env()
     assert env["DETECT_HOST"] == "0.0.0.0"  # reachable through -p from outside the container
-    assert parse_memory_spec(env["DETECT_GPU_MEMORY"]).mode == "cap"  # never greedy: it shares the GPU
+    # The baked-in config file decides what the repository serves, and under which caps; a variable would
+    # beat its [models.*] tables, so the image sets none of those.
+    assert not {"DETECT_MODEL", "DETECT_GPU_MEMORY", "DETECT_MODEL_REPOSITORY"} & set(env)
+    shipped = load_settings(config_path=ROOT / "config" / "default.toml", environ={})
+    caps = [shipped.for_model(name).gpu_memory for name in ("faces", "shapes")]
+    assert [c.mode for c in caps] == ["cap", "cap"]  # never greedy: the workers share the GPU
 
 
 def test_dockerignore_lets_in_what_the_dockerfile_copies():
