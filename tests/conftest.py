@@ -165,6 +165,19 @@ def wait_for(predicate, timeout: float, what: str, log_path: Path | None = None)
     raise AssertionError(f"timed out waiting for {what}{tail}")
 
 
+_STARTED: list[subprocess.Popen] = []  # every server the tests started, for the end-of-session sweep
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_server_outlives_the_session():
+    """Kill any server a failed test left running (its workers follow when their channel closes)."""
+    yield
+    for process in _STARTED:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = True,
                  timeout: float = 180.0) -> Server:
     """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready).
@@ -182,6 +195,7 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
             [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,
             stdout=handle, stderr=subprocess.STDOUT, pass_fds=[notifications.child_fd],
         )
+    _STARTED.append(process)
     notifications.started()
     deadline = time.monotonic() + timeout
     try:
