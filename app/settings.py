@@ -131,10 +131,10 @@ class Settings:
     default_model: str = _setting("", _model_name, "the model POST /detect serves ('': the only model)")
     gpu_memory: MemorySpec = _setting(
         parse_memory_spec("4GiB"), parse_memory_spec,
-        "GPU memory policy: greedy, growth, a cap (4096, 4096MiB, 4GiB) or a share (25%)",
+        "GPU memory policy of each model's worker: greedy, growth, a cap (4096, 4096MiB, 4GiB) or a share (25%)",
     )
     gpus: Optional[tuple[int, ...]] = _setting(
-        None, parse_gpu_list, "physical GPUs this process may use ('' all, 'none', or '0,1')"
+        None, parse_gpu_list, "physical GPUs the workers may use ('' all, 'none', or '0,1')"
     )
     max_images_per_request: int = _setting(16, _int_in(1, 256), "most images one /detect request may carry")
     default_threshold: float = _setting(0.5, _float_in(0.0, 1.0), "score threshold when the request gives none")
@@ -145,7 +145,7 @@ class Settings:
         40_000_000, _int_in(1, 2**31), "largest image, width x height, checked from the header before decoding"
     )
     http_threads: int = _setting(
-        128, _int_in(1, 1024), "WSGI threads: /detect requests admitted at once; beyond, 503 with Retry-After"
+        128, _int_in(1, 1024), "WSGI threads: inference requests admitted at once; beyond, 503 with Retry-After"
     )
     idle_timeout_s: float = _setting(60.0, _float_in(1.0, 3600.0), "close a connection idle this long (s)")
     shutdown_grace_s: float = _setting(
@@ -166,10 +166,10 @@ class Settings:
     # parallelism overlap the other's; on 2 CPU cores 16 x 2 beat 32 x 1 by 18% (README, Measured figures).
     inference_threads: int = _setting(2, _int_in(1, 64), "model calls that may run at once")
     max_queue: int = _setting(
-        128, _int_in(1, 100000), "images that may wait for the model; beyond it /detect answers 503 with Retry-After"
+        128, _int_in(1, 100000), "images that may wait for a model; beyond, its requests get 503 with Retry-After"
     )
     request_deadline_s: float = _setting(
-        30.0, _float_in(0.1, 3600.0), "longest a /detect request may wait for its answers before 504 (s)"
+        30.0, _float_in(0.1, 3600.0), "longest an inference request may wait for its answers (a load included) before 504 (s)"
     )
     header_timeout_s: float = _setting(
         10.0, _float_in(0.5, 600.0), "close a connection whose request line and headers take longer (s)"

@@ -144,7 +144,9 @@ class ServerProcess:
             while time.monotonic() < deadline:
                 listening = notifications.find("listening")
                 if listening is not None and notifications.find("ready") is not None:
-                    return cls(process, listening["port"], log_path)
+                    server = cls(process, listening["port"], log_path)
+                    server.wait_at_rest(config, deadline)
+                    return server
                 if process.poll() is not None:
                     text = log_path.read_text(errors="replace")
                     raise RuntimeError(f"the server exited with status {process.returncode}:\n{text[-3000:]}")
@@ -154,6 +156,28 @@ class ServerProcess:
         process.kill()
         process.wait()
         raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s; see {log_path}")
+
+    def wait_at_rest(self, config: Path, deadline: float) -> None:
+        """Wait until the spare workers have imported TensorFlow.
+
+        The server starts its spares after its models have loaded, and a spare's import takes seconds
+        of CPU: measured under load, it would count against the service.
+        """
+        import http.client
+
+        from app.settings import load_settings
+
+        wanted = load_settings(config_path=config, environ={}).spare_workers
+        while wanted and time.monotonic() < deadline:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            try:
+                conn.request("GET", "/models")
+                spares = json.loads(conn.getresponse().read()).get("spares", [])
+            finally:
+                conn.close()
+            if len(spares) >= wanted and all(spare["ready"] for spare in spares):
+                return
+            time.sleep(0.2)
 
     @property
     def pid(self) -> int:
@@ -187,7 +211,10 @@ class ServerProcess:
             threads, fds = len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:
             return None  # it exited meanwhile
-        rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+        found = re.search(r"^VmRSS:\s+(\d+)", status, re.M)
+        if found is None:
+            return None  # a zombie: it has exited, its parent has not reaped it yet
+        rss_kb = int(found.group(1))
         cpu = (int(fields[11]) + int(fields[12])) / self._clock_ticks  # utime + stime
         return {"rss_mb": round(rss_kb / 1024, 1), "threads": threads, "fds": fds, "cpu_s": round(cpu, 2)}
 

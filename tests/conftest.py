@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,31 @@ def client(app_factory):
     return app_factory().test_client()
 
 
+def http_request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                 timeout: float = 60.0):
+    """Send one request to 127.0.0.1:`port`; return (status, headers, parsed JSON or raw bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    kind = response.getheader("Content-Type", "")
+    return response.status, dict(response.getheaders()), json.loads(data) if "json" in kind else data
+
+
+def gauge(server, series: str) -> int:
+    """Read one gauge series (name and labels) from the /metrics of `server` (anything with `request`)."""
+    text = server.request("GET", "/metrics")[2].decode()
+    return int(float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.M).group(1)))
+
+
+def in_flight(server) -> int:
+    """HTTP requests in flight at `server`, less the /metrics request that asks."""
+    return gauge(server, "detect_http_requests_in_flight") - 1
+
+
 @dataclass
 class Server:
     """A real `python -m app serve` subprocess on a free port."""
@@ -116,15 +142,7 @@ class Server:
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
                 timeout: float = 60.0):
         """Send one request; return (status, headers, parsed JSON or raw bytes)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            response = conn.getresponse()
-            data = response.read()
-        finally:
-            conn.close()
-        kind = response.getheader("Content-Type", "")
-        return response.status, dict(response.getheaders()), json.loads(data) if "json" in kind else data
+        return http_request(self.port, method, path, body, headers, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -147,6 +165,19 @@ def wait_for(predicate, timeout: float, what: str, log_path: Path | None = None)
     raise AssertionError(f"timed out waiting for {what}{tail}")
 
 
+_STARTED: list[subprocess.Popen] = []  # every server the tests started, for the end-of-session sweep
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_server_outlives_the_session():
+    """Kill any server a failed test left running (its workers follow when their channel closes)."""
+    yield
+    for process in _STARTED:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = True,
                  timeout: float = 180.0) -> Server:
     """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready).
@@ -164,6 +195,7 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
             [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,
             stdout=handle, stderr=subprocess.STDOUT, pass_fds=[notifications.child_fd],
         )
+    _STARTED.append(process)
     notifications.started()
     deadline = time.monotonic() + timeout
     try:

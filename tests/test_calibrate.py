@@ -208,7 +208,7 @@ def test_calibrate_recommends_the_peak_plus_20_percent_then_checks_it_under_that
 def test_the_command_prints_the_answer_plots_it_and_writes_a_settings_file(detector, blob_model_dir, tmp_path,
                                                                           capsys):
     settings_file, plot = tmp_path / "tuned.toml", tmp_path / "memory.png"
-    settings_file.write_text('port = 8001\ngpu_memory = "4GiB"\n')
+    settings_file.write_text('port = 8001\ngpu_memory = "4GiB"\n\n[models.blob]\ngpu_memory = "1GiB"\nmax_queue = 9\n')
     status = main(["--model", str(blob_model_dir), "--max-batch", "4", "--image-size", "64x48", "--requests", "4",
                    "--plot", str(plot), "--write", str(settings_file)],
                   run_phase=_phase(detector, FakeNvml(PID), []), nvml_library=FakeNvml(PID))
@@ -218,8 +218,10 @@ def test_the_command_prints_the_answer_plots_it_and_writes_a_settings_file(detec
     assert f"per-process overhead beyond the cap: {OVERHEAD} MiB" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = load_settings(config_path=settings_file, environ={})
-    assert written.gpu_memory == MemorySpec("cap", cap_mib=288) and written.port == 8001
-    assert f"{OVERHEAD} MiB" in settings_file.read_text()
+    assert written.for_model("blob").gpu_memory == MemorySpec("cap", cap_mib=288)  # the model's own table
+    assert written.for_model("blob").max_queue == 9 and written.port == 8001  # the rest of the file stays
+    assert written.gpu_memory == MemorySpec("cap", cap_mib=4096)  # other models keep the server-wide cap
+    assert written.gpu_overhead_mib == OVERHEAD
 
 
 def test_writing_into_a_fleet_file_sets_that_models_cap_and_the_overhead(detector, tmp_path, monkeypatch, capsys):

@@ -259,3 +259,14 @@ def test_tensorflows_logical_gpus_map_to_the_workers_physical_ones():
     (row,) = me["gpus"]
     assert (row["index"], row["used_mib"], row["tf_current_mib"], row["overhead_mib"]) == (1, 2548, 48.0, 500)
     assert row["held_unused_mib"] == 2000.0
+
+
+def test_the_budget_sizes_a_share_from_the_whole_device_even_under_a_planning_total():
+    """A pod's gpu_total_mib bounds its budget, but 25% is of the GPU, as the worker's policy sizes it."""
+    from app.gpu.budget import cap_mib, inventory
+
+    devices = Nvml.open(FakeNvml(PID)).snapshot()
+    (gpu,) = inventory(devices, total_mib=20000, selected=(0,))
+    assert (gpu.total_mib, gpu.device_total_mib) == (20000, 143771)
+    assert cap_mib(parse_memory_spec("25%"), gpu) == 35942
+    assert cap_mib(parse_memory_spec("25%"), inventory([], total_mib=20000)[0]) == 5000  # no NVML: the plan's total

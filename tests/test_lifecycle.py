@@ -9,18 +9,8 @@ import time
 
 import numpy as np
 
-from conftest import start_server
+from conftest import gauge as _gauge, in_flight as _in_flight, start_server
 from images_for_tests import encode
-
-
-def _gauge(server, series: str) -> int:
-    """Read one gauge series (name and labels) from the server's /metrics."""
-    text = server.request("GET", "/metrics")[2].decode()
-    return int(float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.M).group(1)))
-
-
-def _in_flight(server) -> int:
-    return _gauge(server, "detect_http_requests_in_flight") - 1  # less this /metrics request
 
 
 def _queue_depth(server, model: str = "slowblob") -> int:

@@ -22,10 +22,11 @@ class Gpu:
     """One GPU a budget may use."""
 
     index: int
-    total_mib: int
+    total_mib: int  # what the budget may fill: NVML's total, or a total given for planning
     reserved_mib: int = 0  # kept by the driver (NVML memory info v2), not usable
     name: str = ""
     in_use_mib: int = 0  # used by other processes when the inventory was taken (NVML)
+    device_total_mib: Optional[int] = None  # NVML's total, where a planning total stands in for the budget
 
     @property
     def available_mib(self) -> int:
@@ -33,9 +34,14 @@ class Gpu:
 
 
 def cap_mib(spec: MemorySpec, gpu: Gpu) -> Optional[int]:
-    """Return the cap `spec` sets on `gpu` (None for growth and greedy), as memory_policy applies it."""
+    """Return the cap `spec` sets on `gpu` (None for growth and greedy), as memory_policy applies it.
+
+    A share is of the device's whole memory, as the process sizes it from NVML, even where the budget
+    is a smaller planning total (a GPU shared by several pods, each with its gpu_total_mib).
+    """
     if spec.mode == "share":
-        return max(1, math.floor(gpu.total_mib * spec.share_percent / 100))
+        whole = gpu.device_total_mib or gpu.total_mib
+        return max(1, math.floor(whole * spec.share_percent / 100))
     if spec.mode == "cap":
         return spec.cap_mib
     return None
@@ -134,8 +140,9 @@ def inventory(devices: Sequence, total_mib: int = 0, selected: Optional[Sequence
     if selected == ():
         return None
     if total_mib:
-        indices = [d.index for d in devices] or sorted({0, *named, *(selected or ())})
-        gpus = [Gpu(index=i, total_mib=total_mib) for i in indices]
+        known = {d.index: d.memory_total_mib for d in devices}
+        indices = sorted(known) or sorted({0, *named, *(selected or ())})
+        gpus = [Gpu(index=i, total_mib=total_mib, device_total_mib=known.get(i)) for i in indices]
     elif devices:
         gpus = [Gpu(index=d.index, total_mib=d.memory_total_mib, reserved_mib=d.memory_reserved_mib or 0,
                     name=d.name, in_use_mib=d.memory_used_mib) for d in devices]

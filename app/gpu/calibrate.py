@@ -439,7 +439,10 @@ def save_plot(result: Calibration, path: Path, title: str) -> bool:
 
 
 def write_config(path: Path, rec: Recommendation, model: str) -> str:
-    """Put the recommendation in a settings or fleet file (created if missing); return what was written."""
+    """Put the recommendation in a settings file (the model's [models.<name>] table) or a fleet file.
+
+    The file is created if missing; return what was written.
+    """
     path = Path(path)
     text = path.read_text() if path.exists() else ""
     try:
@@ -456,17 +459,37 @@ def write_config(path: Path, rec: Recommendation, model: str) -> str:
         written = f"wrote {path}: gpu_memory {rec.cap_mib}MiB for {model}" + (
             f", gpu_overhead_mib {rec.overhead_mib}" if rec.overhead_mib is not None else "")
     else:
-        lines = [line for line in text.splitlines() if not re.match(r"\s*gpu_memory\s*=", line)]
-        lines.append(cap)
-        if rec.overhead_mib is not None:
-            lines = [line for line in lines if not line.startswith("# calibrated overhead")]
-            lines.append(f"# calibrated overhead per process beyond the cap: {rec.overhead_mib} MiB "
-                         "(gpu_overhead_mib in a fleet file)")
-        text = "\n".join(lines) + "\n"
-        written = f"wrote {path}: gpu_memory {rec.cap_mib}MiB"
+        from ..models.repository import resolve_model
+
+        name = resolve_model(model).name
+        text = _write_settings(text, cap, rec, name)
+        written = f"wrote {path}: [models.{name}] gpu_memory {rec.cap_mib}MiB" + (
+            f", gpu_overhead_mib {rec.overhead_mib}" if rec.overhead_mib is not None else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return written
+
+
+def _write_settings(text: str, cap: str, rec: Recommendation, name: str) -> str:
+    """Set the model's own table's gpu_memory, and the top-level gpu_overhead_mib, in a settings file's text."""
+    lines = text.splitlines()
+    first_table = next((i for i, line in enumerate(lines) if re.match(r"\s*\[", line)), len(lines))
+    if rec.overhead_mib is not None:
+        overhead = f"gpu_overhead_mib = {rec.overhead_mib}  # calibrated: NVML used beyond the cap"
+        found = [i for i in range(first_table) if re.match(r"\s*gpu_overhead_mib\s*=", lines[i])]
+        if found:
+            lines[found[0]] = overhead
+        else:
+            lines.insert(first_table, overhead)
+    header = re.compile(rf"\s*\[\s*models\.(\"?){re.escape(name)}\1\s*\]")
+    start = next((i for i, line in enumerate(lines) if header.match(line)), None)
+    if start is None:
+        lines += ["", f"[models.{name}]", cap]
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if re.match(r"\s*\[", lines[i])), len(lines))
+        body = [line for line in lines[start + 1:end] if not re.match(r"\s*gpu_memory\s*=", line)]
+        lines[start + 1:end] = [cap, *body]
+    return "\n".join(lines) + "\n"
 
 
 def _write_fleet(path: Path, text: str, data: dict, cap: str, rec: Recommendation, model: str) -> str:

@@ -686,17 +686,22 @@ class ModelRegistry:
             log.warning("%s", exc.message)
             return {}
 
-    def worker_memory(self, worker: WorkerProcess) -> dict:
-        """Return what a worker holds: NVML's used MiB per GPU for its pid where it can, else its RSS."""
-        gpu_used: dict[str, int] = {}
+    def gpu_processes(self) -> dict[int, dict[str, int]]:
+        """Return NVML's used MiB per GPU for each pid on the GPUs ({} without NVML)."""
+        used: dict[int, dict[str, int]] = {}
         if self.nvml is not None:
             try:
                 for device in self.nvml.snapshot():
                     for process in device.processes:
-                        if process.pid == worker.pid and process.used_mib is not None:
-                            gpu_used[str(device.index)] = process.used_mib
+                        if process.used_mib is not None:
+                            used.setdefault(process.pid, {})[str(device.index)] = process.used_mib
             except DetectError:
                 pass
+        return used
+
+    def worker_memory(self, worker: WorkerProcess, gpu_processes: Optional[dict] = None) -> dict:
+        """Return what a worker holds: NVML's used MiB per GPU for its pid where it can, else its RSS."""
+        gpu_used = (gpu_processes if gpu_processes is not None else self.gpu_processes()).get(worker.pid, {})
         if gpu_used:
             return {"source": "nvml", "gpu_used_mib": gpu_used, "used_mib": sum(gpu_used.values()),
                     "rss_mib": worker.rss_mib(), "tensorflow": _tensorflow_memory(worker)}
@@ -709,8 +714,9 @@ class ModelRegistry:
         with self.lock:
             chosen = [self.get(n) for n in names] if names is not None else [self.models[n] for n in self.names()]
             rows = [(m.to_json(), m.worker) for m in chosen]
-        for row, worker in rows:  # NVML and /proc are read outside the lock
-            row["memory"] = self.worker_memory(worker) if worker is not None else None
+        gpu_processes = self.gpu_processes() if any(worker for _, worker in rows) else {}
+        for row, worker in rows:  # NVML and /proc are read outside the lock, NVML once
+            row["memory"] = self.worker_memory(worker, gpu_processes) if worker is not None else None
         return [row for row, _ in rows]
 
     def spares(self) -> list[dict]:
@@ -763,7 +769,11 @@ class ModelRegistry:
         for model, version in swaps:
             log.info("model %s: version %s appeared; loading it", model.name, version.version)
             threading.Thread(target=model.swap, args=(version,), name=f"swap-{model.name}", daemon=True).start()
-        self.pool.refill()
+        with self.lock:
+            # A spare imports TensorFlow, seconds of CPU: not while a load competes for it.
+            busy = any(m.state in ("loading", "unloading") or m.swapping for m in self.models.values())
+        if not busy:
+            self.pool.refill()
 
     def _unload_idle(self, model: ServedModel) -> None:
         try:

@@ -142,7 +142,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     control = Channel(socket.socket(fileno=args.channel_fd))
     started = time.perf_counter()
-    prepare()
+    try:
+        prepare()
+    except Exception:  # the same on every try (a missing library, no temporary folder): a boot error
+        log.exception("cannot start a worker: importing TensorFlow failed")
+        return BOOT_ERROR
     try:
         control.send({"event": "spare", "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3)})
         header, _, fds = control.receive()

@@ -308,8 +308,9 @@ class WorkerPool:
                 self._spares.remove(worker)
         if worker is None:
             worker = self._spawn()
-        self.refill()
         while not worker.spare.wait(0.1):
+            if worker.exit_code == BOOT_ERROR:  # it cannot start here, and would not on a second try
+                raise ModelError(f"{worker.describe()} cannot start: importing TensorFlow failed; see the log above")
             if worker.exit_code is not None:  # a crash, retried with backoff like any other
                 raise WorkerLost(f"{worker.describe()} {describe_exit(worker.exit_code)} while starting "
                                  "(importing TensorFlow); see the log above")
@@ -319,7 +320,10 @@ class WorkerPool:
         return worker
 
     def refill(self) -> None:
-        """Start spares until there are `spare_workers` of them (after a backoff if spares keep dying)."""
+        """Start spares until there are `spare_workers` of them (after a backoff if spares keep dying).
+
+        The registry calls it when no load is under way: a spare's import would slow the load down.
+        """
         with self._lock:
             missing = self.spares_wanted - len(self._spares)
             if self._closed or missing <= 0 or time.monotonic() < self._refill_at:
