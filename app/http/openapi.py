@@ -110,13 +110,14 @@ def _schemas() -> dict:
         "Parameters": parameters,
         "InferInput": {"type": "object", "required": ["name", "shape", "datatype"], "additionalProperties": False,
                        "properties": {
-                           "name": string, "shape": {"type": "array", "items": {"type": "integer", "minimum": 1},
+                           "name": {"type": "string", "minLength": 1, "maxLength": 256}, "shape": {"type": "array", "items": {"type": "integer", "minimum": 1},
                                                      "minItems": 1, "maxItems": 8},
                            "datatype": {"enum": list(DATATYPES)}, "parameters": _ref("Parameters"),
                            "data": {"type": "array", "description": "flat in row-major order, or nested as the "
                                     "shape; BYTES as strings (the image input: base64 of each file)"}}},
         "InferOutputRequest": {"type": "object", "required": ["name"], "additionalProperties": False,
-                               "properties": {"name": string, "parameters": _ref("Parameters")}},
+                               "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 256},
+                                              "parameters": _ref("Parameters")}},
         "InferRequest": {"type": "object", "required": ["inputs"], "additionalProperties": False, "properties": {
             "id": string, "parameters": _ref("Parameters"),
             "inputs": {"type": "array", "items": _ref("InferInput"), "minItems": 1},
@@ -149,7 +150,7 @@ def _schemas() -> dict:
             "instances": {"type": "array", "minItems": 1, "description": "the row form: one image per instance, "
                           "pixel values [height][width][3] or {\"b64\": \"<encoded image>\"}, bare or under the "
                           "input's name"},
-            "inputs": {"description": "the columnar form: a batch [N][height][width][3] or a list of "
+            "inputs": {"type": ["array", "object"], "description": "the columnar form: a batch [N][height][width][3] or a list of "
                        "{\"b64\": ...}, bare or under the input's name"}},
             "oneOf": [{"required": ["instances"]}, {"required": ["inputs"]}]},
         "PredictResponse": {"type": "object", "properties": {

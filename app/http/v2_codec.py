@@ -230,7 +230,11 @@ def _json_data(data, datatype: str, shape: tuple[int, ...], where: str) -> Tenso
             raise InvalidBody(f"{where}: BYTES data in JSON must be strings")
         return [item.encode("utf-8", "surrogatepass") for item in flat]
     try:
-        array = np.asarray(data)
+        # 64-bit integers past int64 would become floats and lose digits: keep them Python ints.
+        wide = datatype in ("UINT64", "INT64")
+        array = np.asarray(data, dtype=object) if wide else np.asarray(data)
+        if wide and not all(type(v) is int for v in array.flat):  # _typed checks the range
+            array = np.asarray(data)
     except (ValueError, TypeError):
         raise InvalidBody(f"{where}: 'data' is not a list of numbers nested as its shape {list(shape)}") from None
     if array.size != count or (array.ndim != 1 and array.shape != shape):
@@ -264,9 +268,13 @@ def _typed(array: np.ndarray, datatype: str, where: str) -> np.ndarray:
             raise InvalidBody(f"{where} is BOOL: 'data' must hold true and false")
         return array
     if target.kind in "iu":
+        info = np.iinfo(target)
+        if kind == "O" and all(type(v) is int for v in array.flat):  # integers past int64, as UINT64 allows
+            if any(v < info.min or v > info.max for v in array.flat):
+                raise InvalidBody(f"{where} is {datatype}: its values must be from {info.min} to {info.max}")
+            return array.astype(target)
         if kind not in "iu":
             raise InvalidBody(f"{where} is {datatype}: 'data' must hold integers")
-        info = np.iinfo(target)
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise InvalidBody(f"{where} is {datatype}: its values must be from {info.min} to {info.max}")
         return array.astype(target)
