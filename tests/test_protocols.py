@@ -232,7 +232,45 @@ def test_fuzzing_the_openapi_description_finds_no_server_error_and_no_answer_out
              "--exclude-path-regex", "^/v2/repository", "--request-timeout", "60",
              "--suppress-health-check", "all", "--no-color"],
             capture_output=True, text=True, timeout=600)
+        status, _, answer = fuzzed.request("POST", "/detect", encode(RED_GREEN), {"Content-Type": "image/png"})
+        assert status == 200 and len(answer["detections"]) == 2  # still serving afterwards
     finally:
         fuzzed.stop()
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "Traceback" not in fuzzed.log()
+
+
+@pytest.mark.parametrize("input_type", ["float_image_tensor", "encoded_image_string_tensor"])
+def test_the_other_export_types_serve_every_route_with_boxes_as_the_user_sees_the_image(tmp_path, input_type):
+    """A model exported with each of the Object Detection API's other input types, behind a real server:
+    /detect, KServe v2 (encoded files) and TF Serving (b64) agree, EXIF orientation applied."""
+    from blob_model import build_blob_model
+    from conftest import start_server
+    from images_for_tests import ORIENT
+
+    base = tmp_path / "other"
+    build_blob_model(base / "1", input_type=input_type)
+    stored = blob_image(60, 40, {1: (5, 10, 15, 20)})
+    data = encode(stored, "JPEG", orientation=6, quality=100, subsampling=0)
+    seen = ORIENT[6](stored)
+    ys, xs = np.nonzero(seen[..., 0] > 200)
+    expected = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
+    served = start_server({"DETECT_MODEL": str(base)}, tmp_path / "server.log")
+    try:
+        status, _, answer = served.request("POST", "/detect", data, {"Content-Type": "image/jpeg"})
+        assert status == 200, answer
+        (found,) = answer["detections"]
+        assert tuple(found["box"][k] for k in ("x_min", "y_min", "x_max", "y_max")) == pytest.approx(expected, abs=1.0)
+        with triton.InferenceServerClient(f"127.0.0.1:{served.port}") as v2:
+            result = v2.infer("other", [files_input([data])], outputs=[triton.InferRequestedOutput("detections")])
+        assert json.loads(result.as_numpy("detections")[0])["detections"] == answer["detections"]
+        status, _, predicted = served.request(
+            "POST", "/v1/models/other:predict",
+            json.dumps({"instances": [{"b64": base64.b64encode(data).decode()}]}).encode(),
+            {"Content-Type": "application/json"})
+        assert status == 200, predicted
+        height, width = seen.shape[:2]
+        box = np.array(predicted["predictions"][0]["detection_boxes"][0]) * [height, width, height, width]
+        assert (box[1], box[0], box[3], box[2]) == pytest.approx(expected, abs=1.0)
+    finally:
+        served.stop()
