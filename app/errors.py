@@ -12,7 +12,8 @@ DetectError
     │   ├── InvalidBody          JSON or base64 that does not parse, a missing field
     │   └── InvalidImage         bytes that do not decode as an image
     ├── NotFound             404
-    │   └── ModelNotFound        no model of that name in the repository
+    │   ├── ModelNotFound        no model of that name in the repository
+    │   └── VersionNotFound      the model does not serve that version
     ├── MethodNotAllowed     405
     ├── PayloadTooLarge      413
     │   ├── BodyTooLarge         the request body is over max_body_bytes
@@ -20,6 +21,7 @@ DetectError
     ├── HeaderTooLarge       431: a request line or header line over Twisted's limit
     ├── UnsupportedMediaType 415
     │   ├── UnsupportedContentType   a Content-Type /detect does not take
+    │   ├── UnsupportedContentEncoding  a Content-Encoding other than gzip, deflate or identity
     │   └── UnsupportedImageFormat   an image format outside the decoder allowlist
     ├── InferenceFailed      500
     ├── InternalError        500: a bug; the cause is logged, never sent
@@ -115,6 +117,12 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class VersionNotFound(NotFound):
+    """The model is in the repository, but the version asked for is not the one it serves."""
+
+    code = "version_not_found"
+
+
 class MethodNotAllowed(RequestError):
     """The route exists but not for this method."""
 
@@ -155,6 +163,12 @@ class UnsupportedContentType(UnsupportedMediaType):
     """A Content-Type that /detect does not take."""
 
     code = "unsupported_content_type"
+
+
+class UnsupportedContentEncoding(UnsupportedMediaType):
+    """A Content-Encoding other than gzip, deflate or identity."""
+
+    code = "unsupported_content_encoding"
 
 
 class UnsupportedImageFormat(UnsupportedMediaType):

@@ -259,14 +259,17 @@ class StatsSampler:
 
 def drive(server: ServerProcess, images: Path, out: Path, label: str, connections: int, duration_s: float,
           requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
-          records: bool = False, arrivals: str = "uniform") -> dict:
-    """Run one load step against the server in a separate process; add server and machine figures."""
+          records: bool = False, arrivals: str = "uniform", v2_model: Optional[str] = None) -> dict:
+    """Run one load step against the server in a separate process; add server and machine figures.
+
+    With `v2_model`, the images go to /v2/models/<v2_model>/infer as binary BYTES inputs."""
     load_before = load_average()
     before = server.stats()
     started = time.monotonic()
     with StatsSampler(server) as sampler:
         process = loadgen.spawn(server.port, images, out, connections, duration_s, requests=requests, rate=rate,
-                                timeout_s=timeout_s, records=records, label=label, arrivals=arrivals)
+                                timeout_s=timeout_s, records=records, label=label, arrivals=arrivals,
+                                v2_model=v2_model)
         budget = (duration_s if requests is None else max(duration_s, 3600.0)) + timeout_s + 30
         result = loadgen.collect(process, out, budget)
     wall = time.monotonic() - started
@@ -401,8 +404,10 @@ def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: floa
 
 # --- the sweep -------------------------------------------------------------------------------------
 
-def sweep(mode: str, settings: dict, args, images: Path, out: Path) -> dict:
-    """Start a server with these settings and run every concurrency step; return the mode's figures."""
+def sweep(mode: str, settings: dict, args, images: Path, out: Path, v2_model: Optional[str] = None) -> dict:
+    """Start a server with these settings and run every concurrency step; return the mode's figures.
+
+    With `v2_model` the steps drive KServe v2's binary path for that model instead of /detect."""
     config = out / f"server-{mode}.toml"
     effective = write_settings(config, settings)
     print(f"\n== {mode}: max_batch_size={effective['max_batch_size']} max_batch_delay_ms="
@@ -417,7 +422,7 @@ def sweep(mode: str, settings: dict, args, images: Path, out: Path) -> dict:
         print(HEADER, file=sys.stderr, flush=True)
         for connections in args.concurrency:
             result = drive(server, images, out / f"loadgen-{mode}-c{connections}.json", f"{mode} c={connections}",
-                           connections, args.duration, timeout_s=args.request_timeout)
+                           connections, args.duration, timeout_s=args.request_timeout, v2_model=v2_model)
             steps.append(_step_figures(connections, result))
             _print_row(steps[-1])
         if args.profile_at and mode == "batching":
@@ -573,6 +578,12 @@ def evaluate_targets(ceiling: dict, modes: dict) -> list[dict]:
         targets.append({"target": "64 connections: batching on >= 1.5 x batching off",
                         "measured": on64["images_per_s"], "needed": round(need, 2),
                         "met": on64["images_per_s"] >= need})
+    v2_64 = at("v2_binary", 64)
+    if on64 and v2_64:
+        need = 0.95 * on64["images_per_s"]
+        targets.append({"target": "64 connections: KServe v2 binary >= 0.95 x /detect",
+                        "measured": v2_64["images_per_s"], "needed": round(need, 2),
+                        "met": v2_64["images_per_s"] >= need})
     return targets
 
 
@@ -584,12 +595,14 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for mode, style in (("batching", "o-"), ("no_batching", "s--")):
+    labels = {"batching": "batching on", "no_batching": "batching off (max_batch_size=1)",
+              "v2_binary": "KServe v2, binary BYTES input"}
+    for mode, style in (("batching", "o-"), ("no_batching", "s--"), ("v2_binary", "^-.")):
         steps = result["modes"].get(mode, {}).get("steps")
         if not steps:
             continue
         xs = [s["connections"] for s in steps]
-        label = "batching on" if mode == "batching" else "batching off (max_batch_size=1)"
+        label = labels[mode]
         left.plot(xs, [s["images_per_s"] for s in steps], style, label=label)
         right.plot(xs, [s["latency_ms"]["p99"] or 0 for s in steps], style, label=label)
         third.plot(xs, [s.get("images_per_server_cpu_s") or 0 for s in steps], style, label=label)
@@ -651,6 +664,8 @@ def parse_args(argv):
     parser.add_argument("--model", type=Path, default=None, help="model base path (default: shapes, else faces)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="output folder")
     parser.add_argument("--compare", action="store_true", help="also sweep with batching off")
+    parser.add_argument("--v2", action="store_true",
+                        help="also sweep KServe v2's /v2/models/<name>/infer with binary BYTES inputs")
     parser.add_argument("--smoke", action="store_true", help="short CI mode: concurrency 1 and 4, tiny steps")
     parser.add_argument("--concurrency", default=None, help="comma-separated connections (default 1,4,16,64,128)")
     parser.add_argument("--duration", type=float, default=None, help="seconds per step (default 20, smoke 1.5)")
@@ -718,6 +733,9 @@ def main(argv=None) -> int:
         modes = {"batching": sweep("batching", base, args, images, out)}
         if args.compare:
             modes["no_batching"] = sweep("no_batching", {**base, "max_batch_size": 1}, args, images, out)
+        if args.v2:
+            name = args.model.parent.name if args.model.name.isdigit() else args.model.name  # a version folder
+            modes["v2_binary"] = sweep("v2_binary", base, args, images, out, v2_model=name)
         if not args.smoke:
             print("measuring the ceiling again (the machine is shared: its share of CPU drifts)", file=sys.stderr)
             again = run_ceiling(args.model, images, out / "ceiling-after.json",

@@ -54,6 +54,8 @@ class LoadPlan:
     timeout_s: float = 60.0  # one request, send to last byte (s)
     start_delay_s: float = 0.0  # wait this long before the first request (s)
     path: str = "/detect"
+    # With KServe v2 binary bodies: each body's JSON header length, sent as Inference-Header-Content-Length.
+    header_lengths: tuple[int, ...] = ()
 
     def check(self) -> None:
         """Raise ValueError if a bound is out of range."""
@@ -154,11 +156,26 @@ class _Connection:
 
 
 def _request_heads(plan: LoadPlan) -> list[bytes]:
+    lengths = plan.header_lengths or (None,) * len(plan.bodies)
     return [
         (f"POST {plan.path} HTTP/1.1\r\nHost: {HOST}:{plan.port}\r\nContent-Type: {kind}\r\n"
-         f"Content-Length: {len(body)}\r\nUser-Agent: loadgen\r\n\r\n").encode("latin-1")
-        for body, kind in plan.bodies
+         + ("" if length is None else f"Inference-Header-Content-Length: {length}\r\n")
+         + f"Content-Length: {len(body)}\r\nUser-Agent: loadgen\r\n\r\n").encode("latin-1")
+        for (body, kind), length in zip(plan.bodies, lengths)
     ]
+
+
+def v2_binary_request(image: bytes) -> tuple[bytes, int]:
+    """Wrap one image file as a KServe v2 request with Triton's binary extension, as tritonclient sends it:
+    the BYTES input `image` (a 4-byte little-endian length, then the file), asking for `detections` in binary.
+    Return the body and its JSON header's length."""
+    element = len(image).to_bytes(4, "little") + image
+    header = json.dumps({
+        "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(element)}}],
+        "outputs": [{"name": "detections", "parameters": {"binary_data": True}}],
+    }).encode()
+    return header + element, len(header)
 
 
 def _error_kind(exc: BaseException) -> str:
@@ -361,11 +378,13 @@ def read_bodies(folder: Path) -> tuple[tuple[bytes, str], ...]:
 def spawn(port: int, images: Path, out: Path, connections: int, duration_s: float,
           requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
           start_delay_s: float = 0.0, records: bool = False, label: Optional[str] = None,
-          arrivals: str = "uniform", seed: int = 0) -> subprocess.Popen:
+          arrivals: str = "uniform", seed: int = 0, v2_model: Optional[str] = None) -> subprocess.Popen:
     """Start the load generator in a process of its own, writing its JSON summary to `out`."""
     args = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--images", str(images),
             "--connections", str(connections), "--duration", f"{duration_s:g}", "--timeout", f"{timeout_s:g}",
             "--out", str(out)]
+    if v2_model:
+        args += ["--v2-model", v2_model]
     if requests is not None:
         args += ["--requests", str(requests)]
     if rate is not None:
@@ -397,6 +416,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--port", type=int, required=True, help=f"server port on {HOST}")
     parser.add_argument("--images", type=Path, required=True, help="folder of .jpg/.png files to POST in turn")
     parser.add_argument("--path", default="/detect")
+    parser.add_argument("--v2-model", metavar="NAME", default=None,
+                        help="POST each image to /v2/models/NAME/infer as a binary BYTES input instead")
     parser.add_argument("--connections", "-c", type=int, default=1)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load (at most 3600)")
     parser.add_argument("--requests", "-n", type=int, default=None, help="stop after this many requests")
@@ -411,9 +432,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (default stdout)")
     args = parser.parse_args(argv)
     requests = MAX_REQUESTS if args.requests is None else args.requests
-    plan = LoadPlan(port=args.port, bodies=read_bodies(args.images), connections=args.connections,
+    bodies, lengths, path = read_bodies(args.images), (), args.path
+    if args.v2_model:
+        wrapped = [v2_binary_request(body) for body, _ in bodies]
+        bodies = tuple((body, "application/octet-stream") for body, _ in wrapped)
+        lengths, path = tuple(length for _, length in wrapped), f"/v2/models/{args.v2_model}/infer"
+    plan = LoadPlan(port=args.port, bodies=bodies, connections=args.connections,
                     duration_s=args.duration, requests=requests, rate=args.rate, arrivals=args.arrivals,
-                    seed=args.seed, timeout_s=args.timeout, start_delay_s=args.start_delay, path=args.path)
+                    seed=args.seed, timeout_s=args.timeout, start_delay_s=args.start_delay, path=path,
+                    header_lengths=lengths)
     try:
         plan.check()
     except ValueError as exc:

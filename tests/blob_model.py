@@ -24,8 +24,20 @@ item { id: 3 }  # no name: served as class_3
 """
 
 
-def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 0, fail_on_width: int = 0) -> Path:
+INPUT_SPECS = {  # exporter_main_v2.py's --input_type: the input's dtype, and its shape after the batch dimension
+    "image_tensor": ("uint8", [None, None, 3]),
+    "float_image_tensor": ("float32", [None, None, 3]),
+    "encoded_image_string_tensor": ("string", []),
+}
+
+
+def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 0, fail_on_width: int = 0,
+                     input_type: str = "image_tensor") -> Path:
     """Write the blob detector to `path` (a version folder) and return it.
+
+    `input_type` is the Object Detection API exporter's: `image_tensor` (uint8 pixels), `float_image_tensor`
+    (float32 pixels 0 to 255) or `encoded_image_string_tensor` (encoded image files, decoded in the graph
+    as the exporter's graph decodes them).
 
     `busy_products` 512x512 matrix products per call make it slow whatever the image's size (for
     tests that need requests to stay in flight); the answers stay the same. `fail_on_width` makes
@@ -33,10 +45,18 @@ def build_blob_model(path: Path, batch: int | None = None, busy_products: int = 
     """
     import tensorflow as tf
 
+    dtype, rest = INPUT_SPECS[input_type]
+
+    def pixels(input_tensor):
+        if input_type != "encoded_image_string_tensor":
+            return tf.cast(input_tensor, tf.int32)
+        decode = lambda data: tf.io.decode_image(data, channels=3, expand_animations=False)  # noqa: E731
+        return tf.cast(tf.map_fn(decode, input_tensor, fn_output_signature=tf.uint8), tf.int32)
+
     class BlobDetector(tf.Module):
-        @tf.function(input_signature=[tf.TensorSpec([batch, None, None, 3], tf.uint8, name="input_tensor")])
+        @tf.function(input_signature=[tf.TensorSpec([batch, *rest], tf.dtypes.as_dtype(dtype), name="input_tensor")])
         def detect(self, input_tensor):
-            image = tf.cast(input_tensor, tf.int32)
+            image = pixels(input_tensor)
             shape = tf.shape(image)
             if fail_on_width:
                 with tf.control_dependencies([tf.debugging.assert_none_equal(

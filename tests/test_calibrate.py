@@ -58,7 +58,7 @@ class MeteredDetector:
 
     def __init__(self, detector, memory: GpuMemory):
         self._detector, self._memory = detector, memory
-        self.max_batch, self.input_shape = detector.max_batch, detector.input_shape
+        self.max_batch, self.input_shape, self.image_shape = detector.max_batch, detector.input_shape, detector.image_shape
         memory.loaded()
 
     def run(self, batch):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 
 from app.inference.detector import load_detector
 from app.errors import ModelError
 from app.models.repository import resolve_model
 
-from blob_model import blob_image
+from blob_model import blob_image, build_blob_model
 
 
 def test_the_highest_numeric_version_is_served(blob_model_dir):
@@ -107,18 +108,37 @@ def test_a_model_without_the_contract_outputs_is_refused(tmp_path):
         load_detector(tmp_path / "m")
 
 
-def test_a_float_input_is_refused(tmp_path):
+@pytest.mark.parametrize("dtype, shape", [("int32", [None, None, None, 3]), ("float64", [None, None, None, 3]),
+                                          ("uint8", [None, None, None, 4]), ("string", [None, 1])])
+def test_an_input_of_no_export_type_is_refused(tmp_path, dtype, shape):
+    """Only the exporter's three input types load: uint8 or float32 pixels, or a [batch] string tensor."""
     import tensorflow as tf
 
-    class FloatModel(tf.Module):
-        @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32, name="x")])
+    class OddModel(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec(shape, tf.dtypes.as_dtype(dtype), name="x")])
         def run(self, x):
-            return {"detection_boxes": x}
+            return {"detection_boxes": tf.zeros([1, 1, 4])}
 
-    module = FloatModel()
+    module = OddModel()
     tf.saved_model.save(module, str(tmp_path / "f" / "1"), signatures={"serving_default": module.run})
-    with pytest.raises(ModelError, match="the contract is a uint8 image"):
+    with pytest.raises(ModelError, match="the contract is a uint8 .* or float32 .* image"):
         load_detector(tmp_path / "f")
+
+
+@pytest.mark.parametrize("input_type", ["float_image_tensor", "encoded_image_string_tensor"])
+def test_every_export_type_gives_the_answers_of_the_uint8_model(tmp_path, detector, input_type):
+    """A float model is fed the pixels as float32, an encoded-image model the pixels re-encoded as PNG: same boxes."""
+    other = load_detector(build_blob_model(tmp_path / input_type / "1", input_type=input_type))
+    assert other.input_kind == input_type and other.image_shape == (None, None, None, 3)
+    assert other.signature()["input"]["kind"] == input_type
+    images = [blob_image(64, 48, {1: (10, 5, 20, 15), 3: (40, 30, 60, 44)}), blob_image(64, 48, {2: (1, 1, 9, 9)})]
+    expected = detector.infer(images)
+    for got, want in zip(other.infer(images), expected):
+        assert got.count == want.count
+        np.testing.assert_array_equal(got.boxes, want.boxes)
+        np.testing.assert_array_equal(got.scores, want.scores)
+    declared = other.signature_defs()["serving_default"]["inputs"]["input_tensor"]
+    assert declared["dtype"] == {"float_image_tensor": "DT_FLOAT", "encoded_image_string_tensor": "DT_STRING"}[input_type]
 
 
 def test_a_model_without_serving_default_is_refused(tmp_path, blob_model_dir):

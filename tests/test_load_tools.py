@@ -31,15 +31,15 @@ def run_tool(name: str, *args: str, timeout: float = 240.0) -> subprocess.Comple
 def test_bench_smoke_writes_json_and_plot_with_error_free_steps(blob_model_dir, tmp_path):
     pytest.importorskip("matplotlib", reason="the bench plot needs matplotlib (scripts/bench installs it)")
     out = tmp_path / "bench"
-    done = run_tool("bench", "--smoke", "--model", str(blob_model_dir), "--out", str(out))
+    done = run_tool("bench", "--smoke", "--v2", "--model", str(blob_model_dir), "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "smoke checks passed" in done.stderr
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
     result = json.loads((out / "bench.json").read_text())
     assert result["ceiling"]["images_per_s"] > 0
     assert result["ceiling"]["single_image_ms_p50"] > 0
-    steps = result["modes"]["batching"]["steps"]
-    assert [s["connections"] for s in steps] == [1, 4]
+    steps = result["modes"]["batching"]["steps"] + result["modes"]["v2_binary"]["steps"]  # /detect, then KServe v2
+    assert [s["connections"] for s in steps] == [1, 4, 1, 4]
     for step in steps:
         assert set(step["statuses"]) == {"200"} and step["connection_errors"] == 0
         assert step["images_per_s"] > 0 and step["rss_mb"] > 0

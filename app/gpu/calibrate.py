@@ -136,8 +136,8 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
             from ..inference.detector import load_detector as load
         detector = load(model)
         batch = min(batch, detector.max_batch or batch)
-        height = detector.input_shape[1] or height  # a model with a fixed input size gets that size
-        width = detector.input_shape[2] or width
+        height = detector.image_shape[1] or height  # a model with a fixed input size gets that size
+        width = detector.image_shape[2] or width
         result = PhaseResult(policy=str(spec), batch=batch, width=width, height=height, gpu_name=device.name,
                              pid_visible=False, concurrent=concurrent)
         image = np.random.default_rng(0).integers(0, 256, (1, height, width, 3), dtype=np.uint8)

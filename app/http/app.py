@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from importlib import metadata as package_metadata
 from typing import Any, Optional
 
 from flask import Flask, Response, current_app, g, request
@@ -17,6 +18,8 @@ from .errors import error_answer
 from .paths import protocol_of
 
 log = logging.getLogger(__name__)
+
+SERVER_NAME = "gpu-share-detect"  # the package's name, as server metadata and the OpenAPI document give it
 
 
 @dataclass
@@ -38,13 +41,16 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
     """Build the Flask app around its collaborators; tests pass their own."""
     from .detect import routes as detect_routes
     from .models import routes as model_routes
+    from .openapi import routes as openapi_routes
     from .ops import routes as ops_routes
+    from .v1 import routes as v1_routes
+    from .v2 import routes as v2_routes
 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     app.extensions["detect"] = Service(settings, models, gpu, metrics or ServiceMetrics(gpu), lifecycle)
-    for blueprint in (detect_routes, model_routes, ops_routes):
+    for blueprint in (detect_routes, model_routes, ops_routes, v2_routes, v1_routes, openapi_routes):
         app.register_blueprint(blueprint)
     app.register_error_handler(RequestError, _request_error)
     app.register_error_handler(HTTPException, _http_exception)
@@ -52,6 +58,14 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
     app.before_request(_start_timer)
     app.after_request(_record_request)
     return app
+
+
+def server_version() -> str:
+    """The installed package's version."""
+    try:
+        return package_metadata.version(SERVER_NAME)
+    except package_metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def service() -> Service:
@@ -65,7 +79,8 @@ def error_response(error: RequestError, extra_headers=()) -> Response:
     return Response(answer.body, status=answer.status, headers=list(answer.headers))
 
 
-ROUTES_HINT = "/detect, /models, /models/<name>/detect, /gpu, /healthz, /readyz, /metrics, /v2/repository/..."
+ROUTES_HINT = ("/detect, /models, /models/<name>/detect, /gpu, /healthz, /readyz, /metrics, /openapi.json, "
+               "/v2/... (KServe v2), /v1/models/... (TF Serving)")
 
 
 def _request_error(error: RequestError):

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 from flask import Blueprint, g, jsonify, request
 
-from ..errors import DetectError, InferenceFailed, InvalidBody
+from ..errors import InvalidBody
 from ..inference.detections import to_detections
 from ..inference.images import decode_image
 from .app import service
+from .dataplane import run_images
 from .detect_request import RAW_IMAGE_TYPES, check_raw_type, images_from_json, media_type, parse_params
-
-log = logging.getLogger(__name__)
 
 routes = Blueprint("detect", __name__)
 
@@ -32,39 +30,23 @@ def _detect(model):
     """Decode the request's images, run them on `model`, and answer with labelled pixel boxes."""
     settings = service().settings
     g.model = model.name
-    started = time.perf_counter()
     deadline = time.monotonic() + settings.request_deadline_s
     params = parse_params(request.args, settings.default_threshold)
-    model.admit()  # holds the model loaded, and starts loading it if it is not, while the images decode
-    try:
-        blobs, plural = _image_blobs(settings.max_images_per_request)
-        images = [decode_image(blob, settings.max_image_pixels) for blob in blobs]
-        decoded = time.perf_counter()
-        load_s = model.wait_ready(deadline)
-        try:
-            outputs = model.detect_outputs([image.pixels for image in images], deadline)
-        except DetectError:
-            raise
-        except Exception as exc:
-            log.exception("inference failed for a request of %d image(s) to model %s", len(images), model.name)
-            raise InferenceFailed(f"the model failed on this request: {type(exc).__name__}") from None
-    finally:
-        model.release()
-    finished = time.perf_counter()
-    timing = {"decode": round((decoded - started) * 1000, 2)}
-    if load_s > 0:
-        timing["load"] = round(load_s * 1000, 2)
-    timing["inference"] = round((finished - decoded - load_s) * 1000, 2)
-    timing["total"] = round((finished - started) * 1000, 2)
+    blobs, plural = _image_blobs(settings.max_images_per_request)
+    run = run_images(model, lambda: [decode_image(blob, settings.max_image_pixels) for blob in blobs], deadline)
+    timing = {"decode": round(run.decode_s * 1000, 2)}
+    if run.load_s > 0:
+        timing["load"] = round(run.load_s * 1000, 2)
+    timing["inference"] = round(run.inference_s * 1000, 2)
+    timing["total"] = round(run.total_s * 1000, 2)
     labels = model.labels
     answers = [
         {"width": image.width, "height": image.height,
          "detections": [d.to_json() for d in to_detections(out, image.width, image.height, labels,
                                                            params.threshold, params.max_detections)]}
-        for image, out in zip(images, outputs)
+        for image, out in zip(run.images, run.outputs)
     ]
-    version = outputs[0].version if outputs and outputs[0].version else (model.version.version if model.version else None)
-    answer_model = {"name": model.name, "version": version}
+    answer_model = {"name": model.name, "version": run.version}
     if len(answers) == 1 and not plural:
         return jsonify({"model": answer_model, **answers[0], "timing_ms": timing})
     return jsonify({"model": answer_model, "results": answers, "timing_ms": timing})

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import InvalidBody, InvalidParameter, UnsupportedContentType
+from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT
+from .bodies import decode_base64
+
+__all__ = ["DEFAULT_MAX_DETECTIONS", "MAX_DETECTIONS_LIMIT", "decode_base64"]  # re-exported for the tests
 
 RAW_IMAGE_TYPES = ("image/jpeg", "image/jpg", "image/png", "image/webp", "image/bmp", "image/x-ms-bmp", "image/gif")
-MAX_DETECTIONS_LIMIT = 1000
-DEFAULT_MAX_DETECTIONS = 100
-_BASE64 = re.compile(rb"^[A-Za-z0-9+/=_\-\s]*$")
 
 
 @dataclass(frozen=True)
@@ -86,22 +84,7 @@ def images_from_json(body: bytes) -> tuple[list[bytes], bool]:
             raise InvalidBody('"images" must be a non-empty list of base64 strings')
         encoded = document["images"]
         where = [f'"images"[{i}]' for i in range(len(encoded))]
-    return [_b64decode(item, name) for item, name in zip(encoded, where)], "images" in document
-
-
-def _b64decode(item, where: str) -> bytes:
-    if not isinstance(item, str):
-        raise InvalidBody(f"{where} must be a base64 string")
-    data = item.encode("ascii", "replace")
-    if data.startswith(b"data:"):  # tolerate data URLs: data:image/png;base64,....
-        data = data.split(b",", 1)[-1]
-    if not _BASE64.match(data):
-        raise InvalidBody(f"{where} is not valid base64")
-    data = re.sub(rb"\s+", b"", data).replace(b"-", b"+").replace(b"_", b"/")
-    try:
-        return base64.b64decode(data + b"=" * (-len(data) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidBody(f"{where} is not valid base64") from None
+    return [decode_base64(item, name) for item, name in zip(encoded, where)], "images" in document
 
 
 def check_raw_type(kind: str) -> None:

@@ -3,7 +3,8 @@
 Flask's handlers, the Twisted site's refusals (overload, shutdown, an over-long body or header line)
 all answer through `error_answer`. Each protocol keeps its own body: this service's routes answer
 `{"error": {"code", "message"}}`; the KServe v2 and TF Serving routes answer `{"error": "<message>"}`,
-as their clients expect.
+as their clients expect. Each protocol also has its status table: this service's own is
+app.errors.HTTP_STATUS; v2 and v1 override the few entries where Triton's or TF Serving's codes differ.
 """
 
 from __future__ import annotations
@@ -12,8 +13,33 @@ import json
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import RequestError, http_status
-from .paths import DETECT
+from ..errors import DeadlineExceeded, OutOfMemory, RequestError, UnsupportedMediaType, http_status
+from .paths import DETECT, V1, V2
+
+# Where Triton's HTTP server answers differently: it refuses every malformed request with 400, and a
+# request whose timeout expired with 503 (UNAVAILABLE), as it does when its queue is full.
+V2_STATUS: dict[type[RequestError], int] = {
+    UnsupportedMediaType: 400,
+    DeadlineExceeded: 503,
+}
+# Where TF Serving answers differently (its ToHTTPStatusCode): malformed input is INVALID_ARGUMENT (400), and
+# a model call out of memory is RESOURCE_EXHAUSTED (429).
+V1_STATUS: dict[type[RequestError], int] = {
+    UnsupportedMediaType: 400,
+    OutOfMemory: 429,
+}
+_OVERRIDES = {V2: V2_STATUS, V1: V1_STATUS}
+
+
+def status_of(error: RequestError, protocol: str = DETECT) -> int:
+    """Return the HTTP status of `error` in the protocol's own table (the most specific class wins)."""
+    overrides = _OVERRIDES.get(protocol, {})
+    for cls in type(error).__mro__:
+        if cls in overrides:
+            return overrides[cls]
+        if cls is RequestError:
+            break
+    return http_status(error)
 
 
 def error_document(error: RequestError, protocol: str = DETECT) -> dict:
@@ -41,4 +67,4 @@ def error_answer(error: RequestError, protocol: str = DETECT,
     if retry_after is not None:
         headers.append(("Retry-After", str(retry_after)))
     headers.extend(extra_headers)
-    return ErrorAnswer(http_status(error), tuple(headers), body)
+    return ErrorAnswer(status_of(error, protocol), tuple(headers), body)

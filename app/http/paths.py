@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from typing import NamedTuple, Optional
+from urllib.parse import unquote
 
 DETECT, V2, V1 = "detect", "v2", "v1"
 DEFAULT_MODEL = ""  # the model POST /detect names: the registry's default model
@@ -20,9 +21,14 @@ class Target(NamedTuple):
     model: str  # DEFAULT_MODEL for /detect
 
 
-_INFERENCE = (
+_INFERENCE = (  # each route as the app's rule names it, for the request metrics
     ("/detect", re.compile(r"^/detect$")),
     ("/models/<name>/detect", re.compile(r"^/models/(?P<name>[^/]+)/detect$")),
+    ("/v2/models/<name>/infer", re.compile(r"^/v2/models/(?P<name>[^/]+)/infer$")),
+    ("/v2/models/<name>/versions/<version>/infer", re.compile(r"^/v2/models/(?P<name>[^/]+)/versions/[^/]+/infer$")),
+    ("/v1/models/<name>:predict", re.compile(r"^/v1/models/(?P<name>[^/]+):predict$")),
+    ("/v1/models/<name>/versions/<version>:predict",
+     re.compile(r"^/v1/models/(?P<name>[^/]+)/versions/[^/]+:predict$")),
 )
 
 
@@ -40,5 +46,5 @@ def inference_target(path: str) -> Optional[Target]:
     for route, pattern in _INFERENCE:
         found = pattern.match(path)
         if found:
-            return Target(route, found.groupdict().get("name") or DEFAULT_MODEL)
+            return Target(route, unquote(found.groupdict().get("name") or DEFAULT_MODEL))
     return None

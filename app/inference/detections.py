@@ -15,6 +15,8 @@ import numpy as np
 from .labels import label_for
 
 OUTPUT_NAMES = ("detection_boxes", "detection_classes", "detection_scores", "num_detections")
+MAX_DETECTIONS_LIMIT = 1000  # the most detections an answer may be asked for
+DEFAULT_MAX_DETECTIONS = 100
 
 
 @dataclass(frozen=True)

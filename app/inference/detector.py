@@ -1,9 +1,15 @@
 """Run a TF2 SavedModel that honours the Object Detection API serving contract.
 
-Contract: signature `serving_default` with one uint8 image input of shape [B, H, W, 3], where B is
-1 (model-zoo exports) or None (any batch); outputs `detection_boxes` (normalized
-[ymin, xmin, ymax, xmax]), `detection_classes` (1-based, float), `detection_scores` and
-`num_detections`. Other outputs are ignored.
+Contract: signature `serving_default` with one image input, as `exporter_main_v2.py --input_type` makes it:
+`image_tensor` (uint8 [B, H, W, 3]), `float_image_tensor` (float32 [B, H, W, 3], pixel values 0 to 255) or
+`encoded_image_string_tensor` (string [B], one encoded image each), where B is 1 (model-zoo exports) or
+None (any batch); outputs `detection_boxes` (normalized [ymin, xmin, ymax, xmax]), `detection_classes`
+(1-based, float), `detection_scores` and `num_detections`. Other outputs are ignored.
+
+Every kind is fed the same thing: the upright RGB uint8 pixels that the HTTP process decoded (EXIF
+orientation applied), so that boxes are in the displayed image whatever the kind. A float model gets them
+cast to float32; an encoded-image model gets each image re-encoded losslessly as PNG, which its graph decodes
+back to exactly those pixels.
 
 It runs inside a model's worker process (app.models.worker); the HTTP process never imports it.
 """
@@ -23,6 +29,10 @@ from ..models.repository import ModelVersion, resolve_model
 
 log = logging.getLogger(__name__)
 
+# The input kinds, named as exporter_main_v2.py's --input_type names them, by the input's dtype and rank.
+INPUT_KINDS = {("uint8", 4): "image_tensor", ("float32", 4): "float_image_tensor",
+               ("string", 1): "encoded_image_string_tensor"}
+
 # Called after each model call with (images in the call, seconds it took).
 CallObserver = Callable[[int, float], None]
 
@@ -41,6 +51,9 @@ class Detector:
         self.labels = labels
         self._on_model_call = on_model_call
         self.input_name, self.input_dtype, self.input_shape = _input_spec(signature, model)
+        self.input_kind = INPUT_KINDS[(self.input_dtype, len(self.input_shape))]
+        # [B, H, W, 3] of the pixels fed in, whatever the kind (an encoded image has any size).
+        self.image_shape = self.input_shape if len(self.input_shape) == 4 else (self.input_shape[0], None, None, 3)
         _check_outputs(signature, model)
         # The batch dimension caps how many images one call may carry: 1 for zoo exports.
         batch = self.input_shape[0]
@@ -62,7 +75,7 @@ class Detector:
         if self.max_batch is not None and batch.shape[0] > self.max_batch:
             raise ValueError(f"batch of {batch.shape[0]} exceeds the model's batch dimension {self.max_batch}")
         started = time.perf_counter()
-        outputs = self._signature(**{self.input_name: self._tf.convert_to_tensor(batch)})
+        outputs = self._signature(**{self.input_name: self._feed(batch)})
         boxes = outputs["detection_boxes"].numpy()
         classes = outputs["detection_classes"].numpy()
         scores = outputs["detection_scores"].numpy()
@@ -76,11 +89,22 @@ class Detector:
             for i in range(batch.shape[0])
         ]
 
+    def _feed(self, batch: np.ndarray):
+        """Turn a uint8 [B, H, W, 3] batch of upright pixels into the tensor this model's input takes."""
+        tf = self._tf
+        if self.input_kind == "float_image_tensor":
+            return tf.cast(tf.convert_to_tensor(batch), tf.float32)
+        if self.input_kind == "encoded_image_string_tensor":
+            # PNG is lossless: the model's own decoder gets back exactly the pixels decoded here, EXIF
+            # orientation applied, which the original file (with its orientation tag) would not give it.
+            return tf.stack([tf.io.encode_png(image, compression=1) for image in batch])
+        return tf.convert_to_tensor(batch)
+
     def signature(self) -> dict:
         """Describe the serving signature: the image input and the contract's outputs, -1 for any size."""
         outputs = self._signature.structured_outputs
         return {
-            "input": {"name": self.input_name, "dtype": self.input_dtype,
+            "input": {"name": self.input_name, "dtype": self.input_dtype, "kind": self.input_kind,
                       "shape": [-1 if d is None else int(d) for d in self.input_shape]},
             "outputs": [
                 {"name": name, "dtype": outputs[name].dtype.name,
@@ -88,6 +112,23 @@ class Detector:
                 for name in OUTPUT_NAMES
             ],
         }
+
+    def signature_defs(self) -> dict:
+        """Return the SavedModel's signature_def map as TF Serving's metadata shows it (proto field names)."""
+        from google.protobuf import json_format
+        from tensorflow.core.protobuf import saved_model_pb2
+
+        proto = saved_model_pb2.SavedModel()
+        try:
+            proto.ParseFromString((self.model.path / "saved_model.pb").read_bytes())
+        except Exception as exc:  # the model loaded; a report of its signatures must not fail it
+            log.warning("cannot read the signature_def map of %s: %s", self.model.path, _first_line(exc))
+            return {}
+        if not proto.meta_graphs:
+            return {}
+        return {name: json_format.MessageToDict(signature, preserving_proto_field_name=True,
+                                                always_print_fields_with_no_presence=True)
+                for name, signature in sorted(proto.meta_graphs[0].signature_def.items())}
 
     def run_batch(self, batch: np.ndarray) -> list["ModelOutputs | DetectError"]:
         """Run a batch; where it fails, split it in halves down to single images.
@@ -147,8 +188,8 @@ class Detector:
 
     def warm_up(self) -> None:
         """Run one inference so the first request does not pay for tracing and allocation."""
-        height = self.input_shape[1] or 320
-        width = self.input_shape[2] or 320
+        height = self.image_shape[1] or 320
+        width = self.image_shape[2] or 320
         self.run(np.zeros((1, height, width, 3), dtype=np.uint8))
 
 
@@ -160,10 +201,12 @@ def _input_spec(signature, model: ModelVersion):
         )
     (name, spec), = kwargs.items()
     shape = spec.shape
-    if spec.dtype.name != "uint8" or shape.rank != 4 or shape[3] not in (3, None):
+    kind = INPUT_KINDS.get((spec.dtype.name, shape.rank))
+    if kind is None or (shape.rank == 4 and shape[3] not in (3, None)):
         raise ModelError(
-            f"model {model.path}: input {name!r} is {spec.dtype.name} {shape}; "
-            "the contract is a uint8 image of shape [batch, height, width, 3]"
+            f"model {model.path}: input {name!r} is {spec.dtype.name} {shape}; the contract is a uint8 "
+            "(image_tensor) or float32 (float_image_tensor) image of shape [batch, height, width, 3], or a "
+            "string tensor of encoded images of shape [batch] (encoded_image_string_tensor)"
         )
     return name, spec.dtype.name, tuple(shape.as_list())
 

@@ -71,6 +71,10 @@ class ServedModel:
         self.worker: Optional[WorkerProcess] = None  # the worker new calls go to
         self.version: Optional[ModelVersion] = None  # the version served (or last served)
         self.labels: dict[int, str] = {}
+        # What the last worker to serve it said of its signature, kept while the model is unloaded, so that
+        # protocol metadata answers without a load: the contract's view, and the signature_def map.
+        self.signature: Optional[dict] = None
+        self.signature_defs: Optional[dict] = None
         self.attempt: Optional[_Attempt] = None
         self.history = ExitHistory(registry.restart_rule)
         self.unloaded_by_request = False
@@ -239,6 +243,8 @@ class ServedModel:
         """Make `worker` the one that serves (under the lock)."""
         self.worker, self.version, self.state, self.reason = worker, version, "ready", None
         self.labels = self.registry.labels_of(version)
+        self.signature = worker.loaded.get("signature")
+        self.signature_defs = worker.loaded.get("signature_defs")
         model_batch = worker.loaded.get("max_batch")
         self.queue.set_max_batch(min(self.settings.max_batch_size, model_batch or self.settings.max_batch_size))
         self.loads += 1

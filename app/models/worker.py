@@ -171,6 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                           "message": f"{type(exc).__name__}: {exc}"}})
         return BOOT_ERROR
     _say(control, {"event": "loaded", "signature": worker.detector.signature(),
+                   "signature_defs": worker.detector.signature_defs(),
                    "max_batch": worker.detector.max_batch, "policy": worker.policy.to_json(),
                    "seconds": round(time.perf_counter() - began, 3)})
     log.info("model %s loaded and warmed in %.2f s (%s)", name, time.perf_counter() - began, worker.policy.describe())
