@@ -231,7 +231,7 @@ def test_fuzzing_the_openapi_description_finds_no_server_error_and_no_answer_out
                          "response_schema_conformance",
              "--exclude-path-regex", "^/v2/repository", "--request-timeout", "60",
              "--suppress-health-check", "all", "--no-color"],
-            capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache stays out of the checkout
         status, _, answer = fuzzed.request("POST", "/detect", encode(RED_GREEN), {"Content-Type": "image/png"})
         assert status == 200 and len(answer["detections"]) == 2  # still serving afterwards
     finally:
