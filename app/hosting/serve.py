@@ -218,6 +218,8 @@ def run(server: Server) -> int:
     server.lifecycle.listening(address.host, address.port)
     log.info("listening on http://%s:%d (models %s; default %s)", address.host, address.port,
              ", ".join(server.registry.names()), _default_name(server.registry))
+    if not settings.decode_at_model_size:
+        log.info("decoding images at full size (decode_at_model_size is off)")
 
     def watch_readiness():
         failure = server.registry.boot_failure()
