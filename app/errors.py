@@ -123,6 +123,12 @@ class VersionNotFound(NotFound):
     code = "version_not_found"
 
 
+class Forbidden(RequestError):
+    """The route is restricted (restricted_api) or, for the model repository, open to loopback clients only."""
+
+    code = "forbidden"
+
+
 class MethodNotAllowed(RequestError):
     """The route exists but not for this method."""
 
@@ -237,6 +243,7 @@ class DeadlineExceeded(RequestError):
 # Most specific class first wins: http_status() walks the MRO.
 HTTP_STATUS: dict[type[RequestError], int] = {
     BadRequest: 400,
+    Forbidden: 403,
     NotFound: 404,
     MethodNotAllowed: 405,
     PayloadTooLarge: 413,

@@ -111,8 +111,16 @@ def _log_level(value: Any) -> str:
     return level
 
 
-def _setting(default: Any, parse: Callable[[Any], Any], help: str) -> Any:
-    return field(default=default, metadata={"parse": parse, "help": help})
+def _setting(default: Any, parse: Callable[[Any], Any], help: str, secret: bool = False) -> Any:
+    """A setting; a `secret` one's value never appears in an error message or a repr."""
+    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret}, repr=not secret)
+
+
+def _restricted_api(value: Any) -> str:
+    from .http.access import parse_restricted_api
+
+    parse_restricted_api(value)  # refuse it at boot; the app parses it again into restrictions
+    return str(value).strip()
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,14 @@ class Settings:
         20.0, _float_in(0.0, 600.0), "on SIGTERM, wait this long for requests in flight (s)"
     )
     log_level: str = _setting("INFO", _log_level, "DEBUG, INFO, WARNING or ERROR")
+    # Access (SECURITY.md): Triton's --http-restricted-api form; the model-repository routes are loopback-only
+    # unless an entry grants them to a header.
+    restricted_api: str = _setting(
+        "", _restricted_api, "route groups that need a header: <group>[,<group>]:<header>=<value>[;...] ('' none)",
+        secret=True,
+    )
+    tls_cert_file: str = _setting("", _optional_text, "PEM certificate (chain) to serve HTTPS with ('' plain HTTP)")
+    tls_key_file: str = _setting("", _optional_text, "PEM private key of tls_cert_file")
     # Inference scheduling: batching, concurrency, admission.
     max_batch_size: int = _setting(
         16, _int_in(1, 256), "most images in one model call (batching needs a model whose batch dimension is None)"
@@ -320,6 +336,9 @@ def load_settings(
         (model, tuple((key, value) for key, value in entries if key not in given))
         for model, entries in values.get("model_overrides", ())
     )
+    if bool(values.get("tls_cert_file")) != bool(values.get("tls_key_file")):
+        raise ConfigError("HTTPS needs both DETECT_TLS_CERT_FILE (--tls-cert-file) and DETECT_TLS_KEY_FILE "
+                          "(--tls-key-file), or neither")
     return Settings(**values)
 
 
@@ -364,8 +383,9 @@ def _parse(f: dataclasses.Field, raw: Any, source: str) -> Any:
     try:
         return f.metadata["parse"](raw)
     except ValueError as exc:
+        shown = "(hidden)" if f.metadata.get("secret") else repr(str(raw))
         raise ConfigError(
-            f"setting {env_name(f.name)} ({flag_name(f.name)}), from {source}, has value {str(raw)!r}: {exc}"
+            f"setting {env_name(f.name)} ({flag_name(f.name)}), from {source}, has value {shown}: {exc}"
         ) from None
 
 

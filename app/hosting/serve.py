@@ -202,6 +202,36 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
     return site, pools
 
 
+def _tls_options(settings: Settings):
+    """Twisted's TLS options from the certificate and key files, or None for plain HTTP."""
+    if not settings.tls_cert_file:
+        return None
+    from twisted.internet import ssl
+
+    try:
+        import OpenSSL  # noqa: F401  (Twisted's TLS needs pyOpenSSL: the `tls` extra)
+    except ImportError:
+        raise ImportError("HTTPS needs pyOpenSSL and service_identity: pip install 'gpu-share-detect[tls]'") from None
+    pem = Path(settings.tls_key_file).read_bytes() + b"\n" + Path(settings.tls_cert_file).read_bytes()
+    try:
+        return ssl.PrivateCertificate.loadPEM(pem).options()
+    except Exception as exc:  # OpenSSL's own errors: a key that is not the certificate's, a file not PEM
+        raise ValueError(f"{settings.tls_cert_file} and {settings.tls_key_file} are not a PEM certificate and "
+                         f"its private key ({type(exc).__name__})") from None
+
+
+def _log_access(settings: Settings) -> None:
+    """Say at boot who may use the control routes, naming the restricted groups and headers, never values."""
+    from ..http.access import MODEL_REPOSITORY, parse_restricted_api
+
+    restrictions = parse_restricted_api(settings.restricted_api)
+    for restriction in restrictions:
+        log.info("restricted API: %s need header %s", ", ".join(sorted(restriction.groups)), restriction.header)
+    if not any(MODEL_REPOSITORY in r.groups for r in restrictions):
+        log.info("the model-repository routes (load, unload, index) answer loopback clients only; "
+                 "restricted_api can grant them to a header (SECURITY.md)")
+
+
 def run(server: Server) -> int:
     """Bind, start the models, and run the reactor until shutdown; return the exit status."""
     from twisted.internet import reactor, task, threads
@@ -209,15 +239,25 @@ def run(server: Server) -> int:
 
     settings = server.settings
     try:
-        port = reactor.listenTCP(settings.port, server.site, interface=settings.host)
+        tls = _tls_options(settings)
+    except (OSError, ValueError, ImportError) as exc:
+        log.error("cannot serve HTTPS: %s", exc)
+        print(f"error: cannot serve HTTPS: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if tls is None:
+            port = reactor.listenTCP(settings.port, server.site, interface=settings.host)
+        else:
+            port = reactor.listenSSL(settings.port, server.site, tls, interface=settings.host)
     except CannotListenError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.socketError)
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.socketError}", file=sys.stderr)
         return 1
     address = port.getHost()
     server.lifecycle.listening(address.host, address.port)
-    log.info("listening on http://%s:%d (models %s; default %s)", address.host, address.port,
-             ", ".join(server.registry.names()), _default_name(server.registry))
+    log.info("listening on %s://%s:%d (models %s; default %s)", "http" if tls is None else "https", address.host,
+             address.port, ", ".join(server.registry.names()), _default_name(server.registry))
+    _log_access(settings)
     if not settings.decode_at_model_size:
         log.info("decoding images at full size (decode_at_model_size is off)")
 

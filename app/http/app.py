@@ -14,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 from ..errors import BadRequest, BodyTooLarge, InternalError, MethodNotAllowed, NotFound, RequestError
 from ..metrics import ServiceMetrics
 from ..settings import Settings
+from .access import parse_restricted_api, refusal
 from .errors import error_answer
 from .paths import protocol_of
 
@@ -55,8 +56,11 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
     app.register_error_handler(RequestError, _request_error)
     app.register_error_handler(HTTPException, _http_exception)
     app.register_error_handler(Exception, _unexpected_error)
+    app.extensions["restrictions"] = parse_restricted_api(settings.restricted_api)
     app.before_request(_start_timer)
+    app.before_request(_check_access)
     app.after_request(_record_request)
+    app.after_request(_no_sniffing)
     return app
 
 
@@ -110,6 +114,17 @@ def _unexpected_error(error: Exception):
 
 def _start_timer():
     g.started = time.perf_counter()
+
+
+def _check_access():
+    refused = refusal(request.path, request.headers, request.remote_addr, current_app.extensions["restrictions"])
+    if refused is not None:
+        raise refused
+
+
+def _no_sniffing(response):
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 def _record_request(response):

@@ -61,10 +61,17 @@ class ErrorAnswer:
 def error_answer(error: RequestError, protocol: str = DETECT,
                  extra_headers: Sequence[tuple[str, str]] = ()) -> ErrorAnswer:
     """Write the answer to `error`: its status, JSON body, and Retry-After where it has one."""
-    body = json.dumps(error_document(error, protocol), separators=(", ", ": ")).encode()
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    body = _html_safe(json.dumps(error_document(error, protocol), separators=(", ", ": "))).encode()
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+               ("X-Content-Type-Options", "nosniff")]
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:
         headers.append(("Retry-After", str(retry_after)))
     headers.extend(extra_headers)
     return ErrorAnswer(status_of(error, protocol), tuple(headers), body)
+
+
+def _html_safe(text: str) -> str:
+    """Escape <, > and & as JSON \\u escapes: the same JSON, and a message that quotes a request's bytes can
+    never be read as markup by a client that sniffs or renders it."""
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")

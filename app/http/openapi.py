@@ -167,6 +167,9 @@ def document(model_names: list[str], version: str, title: str) -> dict:
     detect_errors["503"] = _retry(detect_errors["503"])
     v2_errors = _errors("ProtocolError", V2_ERRORS)
     v2_errors["503"] = _retry(v2_errors["503"])
+    # Loopback clients only, unless restricted_api grants the group to a header (SECURITY.md).
+    repository_errors = {**v2_errors, "403": _json(_ref("ProtocolError"), "not a loopback client, or the header "
+                                                   "restricted_api requires is missing or wrong")}
     v1_errors = _errors("ProtocolError", V1_ERRORS)
     v1_errors["503"] = _retry(v1_errors["503"])
     binary = {"type": "string", "format": "binary"}
@@ -264,14 +267,14 @@ def document(model_names: list[str], version: str, title: str) -> dict:
         "/v2/repository/index": {"post": {
             "tags": ["v2"], "summary": "Triton's model repository index", "requestBody": repository_body,
             "responses": {"200": _json({"type": "array", "items": _ref("RepositoryIndexEntry")}, "the models"),
-                          **v2_errors}}},
+                          **repository_errors}}},
         "/v2/repository/models/{name}/load": {"post": {
             "tags": ["v2"], "summary": "load a model and wait until it is ready", "parameters": [name],
-            "requestBody": repository_body, "responses": {"200": _empty("loaded (empty body)"), **v2_errors}}},
+            "requestBody": repository_body, "responses": {"200": _empty("loaded (empty body)"), **repository_errors}}},
         "/v2/repository/models/{name}/unload": {"post": {
             "tags": ["v2"], "summary": "unload a model; requests for it get 503 until it is loaded again",
             "parameters": [name], "requestBody": repository_body,
-            "responses": {"200": _empty("unloaded (empty body)"), **v2_errors}}},
+            "responses": {"200": _empty("unloaded (empty body)"), **repository_errors}}},
         "/v1/models/{name}": v1_get("model version status", "ModelVersionStatus", [name]),
         "/v1/models/{name}/versions/{version}": v1_get("model version status", "ModelVersionStatus",
                                                        [name, version_param]),

@@ -116,6 +116,27 @@ class ModelWorker:
                 return
 
 
+PR_SET_NO_NEW_PRIVS = 38  # linux/prctl.h
+
+
+def drop_privileges() -> None:
+    """Give up what a worker never needs, before any model code runs (SECURITY.md).
+
+    No new privileges: nothing the model's graph may exec gains privileges through setuid or file
+    capabilities. Umask 077: whatever the graph writes (TensorFlow's caches, a hostile op's files)
+    is readable by this user only. Neither is a sandbox; SECURITY.md says what one would add.
+    """
+    import ctypes
+
+    os.umask(0o077)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_NO_NEW_PRIVS) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):  # not Linux: nothing to drop this way
+        log.warning("prctl is not available here; the worker keeps its privileges")
+
+
 def prepare() -> None:
     """Do the slow part of starting before any model is known: import TensorFlow and the detector.
 
@@ -140,6 +161,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ..supervision import BOOT_ERROR
     from .channel import Channel, ChannelClosed
 
+    drop_privileges()
     control = Channel(socket.socket(fileno=args.channel_fd))
     started = time.perf_counter()
     try:
