@@ -3,12 +3,15 @@
 Starts `python -m app serve` on a free port (the shapes model if one is exported, else faces),
 drives it with scripts/loadgen.py in a process of its own at each concurrency, and reads the
 server's RSS, threads, descriptors and CPU time from /proc. Before that, a separate process
-measures the ceiling: decoding (app.inference.images.decode_image) plus the model (Detector.run on stacked
-batches) on the same 640x480 JPEGs, no HTTP, at each batch size, with one thread and with two (each
-decoding its own batch and running it, so decoding overlaps model calls as in the server); the best is
-the ceiling.
+measures the ceiling: decoding (app.inference.images.decode_image, at the model's working size as the server
+does by default) plus the model (Detector.run on stacked batches) on the same JPEGs, no HTTP, at
+each batch size, with one thread and with two (each decoding its own batch and running it, so
+decoding overlaps model calls as in the server); the best is the ceiling.
+The images are generated scenes of --image-size (640x480 by default; 4032x3024 for phone photos),
+or the JPEG and PNG files of --images DIR.
 Writes bench.json and bench.png to the output folder. With --compare the sweep runs again with
-batching off (max_batch_size=1). Exit status: 0 done (targets are reported, never enforced), 1 a
+batching off (max_batch_size=1); with --compare-decode, again with decode_at_model_size off (every
+image decoded at full size). Exit status: 0 done (targets are reported, never enforced), 1 a
 --smoke sanity check failed, 2 the bench could not run.
 
 The machine is shared, so every figure carries the load average taken with it.
@@ -61,13 +64,18 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def make_images(folder: Path, count: int = 16, seed: int = 0) -> Path:
-    """Write `count` deterministic 640x480 JPEG scenes (shapes on a textured gradient) to `folder`."""
+def make_images(folder: Path, count: int = 16, seed: int = 0, size: tuple[int, int] = IMAGE_SIZE) -> Path:
+    """Write `count` deterministic JPEG scenes (shapes on a textured gradient) of `size` to `folder`.
+
+    Shapes are scaled with the image, the grain is not: a 4032x3024 scene is about 1.5 MB, as a phone's
+    JPEG of a 12 MP photo is.
+    """
     import numpy as np
     from PIL import Image, ImageDraw, ImageFilter
 
     folder.mkdir(parents=True, exist_ok=True)
-    width, height = IMAGE_SIZE
+    width, height = size
+    scale = min(width / IMAGE_SIZE[0], height / IMAGE_SIZE[1])
     for i in range(count):
         path = folder / f"scene-{i:02d}.jpg"
         if path.exists():
@@ -81,7 +89,7 @@ def make_images(folder: Path, count: int = 16, seed: int = 0) -> Path:
         draw = ImageDraw.Draw(canvas)
         for _ in range(int(rng.integers(3, 9))):
             cx, cy = rng.uniform(0, width), rng.uniform(0, height)
-            r = rng.uniform(20, 120)
+            r = rng.uniform(20, 120) * scale
             colour = tuple(int(c) for c in rng.integers(0, 256, 3))
             kind = int(rng.integers(0, 4))
             if kind == 0:
@@ -294,7 +302,7 @@ def overall_statuses(result: dict) -> tuple[int, int, int]:
 # --- the ceiling -----------------------------------------------------------------------------------
 
 def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], seconds: float,
-                    thread_counts: tuple[int, ...] = (1,)) -> dict:
+                    thread_counts: tuple[int, ...] = (1,), decode_at_model_size: bool = True) -> dict:
     """Time decoding plus the model on the images, no HTTP; return figures per batch size and thread count.
 
     With T threads, each thread decodes a batch and runs it, so one thread's decoding overlaps another's
@@ -308,11 +316,17 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
     from app.inference.detector import load_detector
     from app.inference.images import decode_image
     from app.settings import Settings
+    from app.inference.working_size import read_working_size
 
     max_pixels = Settings().max_image_pixels
     blobs = [body for body, _ in loadgen.read_bodies(images)]
     detector = load_detector(model)
     detector.warm_up()
+    working = read_working_size(detector.model.path) if decode_at_model_size else None
+
+    def decode(data: bytes):
+        """Decode as the server does: at the model's working size unless decode_at_model_size is off."""
+        return decode_image(data, max_pixels, working)
 
     def timed(fn, at_least: int = 3) -> list[float]:
         times = []
@@ -324,10 +338,10 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
         return times
 
     def decoded(start: int, size: int) -> np.ndarray:
-        pixels = [decode_image(blobs[(start + j) % len(blobs)], max_pixels).pixels for j in range(size)]
+        pixels = [decode(blobs[(start + j) % len(blobs)]).pixels for j in range(size)]
         return np.stack(pixels) if size > 1 else pixels[0][None]
 
-    decode_s = timed(lambda i: decode_image(blobs[i % len(blobs)], max_pixels), at_least=len(blobs))
+    decode_s = timed(lambda i: decode(blobs[i % len(blobs)]), at_least=len(blobs))
     single_s = timed(lambda i: detector.run(decoded(i, 1)), at_least=5)
     per_run = {}
     limit = detector.max_batch
@@ -378,7 +392,7 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
               file=sys.stderr, flush=True)
     best = max(per_run, key=lambda k: per_run[k]["images_per_s"])
     return {
-        "model": str(model), "model_max_batch": limit,
+        "model": str(model), "model_max_batch": limit, "working_size": working.describe() if working else None,
         "decode_ms_p50": round(1000 * loadgen.percentile(decode_s, 50), 2),
         "single_image_ms_p50": round(1000 * loadgen.percentile(single_s, 50), 2),  # decode + batch-1 call
         "per_batch": per_run,
@@ -389,12 +403,15 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
     }
 
 
-def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: float, thread_counts) -> dict:
+def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: float, thread_counts,
+                decode_at_model_size: bool = True) -> dict:
     """Measure the ceiling in a child process (so the bench process never hosts TensorFlow)."""
     args = [sys.executable, str(Path(__file__).resolve()), "--ceiling-only", "--model", str(model),
             "--images", str(images), "--ceiling-json", str(out), "--ceiling-seconds", f"{seconds:g}",
             "--ceiling-batches", ",".join(str(b) for b in batch_sizes),
             "--ceiling-threads", ",".join(str(t) for t in thread_counts)]
+    if not decode_at_model_size:
+        args.append("--ceiling-full-size")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     code = subprocess.run(args, cwd=ROOT, env=env, stdin=subprocess.DEVNULL).returncode
     if code != 0:
@@ -413,7 +430,8 @@ def sweep(mode: str, settings: dict, args, images: Path, out: Path, v2_model: Op
     print(f"\n== {mode}: max_batch_size={effective['max_batch_size']} max_batch_delay_ms="
           f"{effective['max_batch_delay_ms']} inference_threads={effective['inference_threads']} "
           f"http_threads={effective['http_threads']} max_queue={effective['max_queue']} "
-          f"request_deadline_s={effective['request_deadline_s']}", file=sys.stderr, flush=True)
+          f"request_deadline_s={effective['request_deadline_s']} "
+          f"decode_at_model_size={str(effective['decode_at_model_size']).lower()}", file=sys.stderr, flush=True)
     server = ServerProcess.start(config, out / f"server-{mode}.log")
     steps, profile = [], None
     try:
@@ -550,6 +568,50 @@ def _file_of(frame: str) -> str:
 
 # --- report ----------------------------------------------------------------------------------------
 
+MODE_LABELS = {
+    "batching": "batching on",
+    "no_batching": "batching off (max_batch_size=1)",
+    "full_size_decode": "decode_at_model_size off (full size)",
+    "v2_binary": "KServe v2, binary BYTES input",
+}
+# Issue 17: images/s with decode_at_model_size on over off, 4032x3024 JPEGs at 16 connections.
+DECODE_TARGETS = {"shapes": 4.0, "faces": 3.0}
+
+
+def image_figures(images: Path) -> dict:
+    """Describe the images a bench sends: how many, their sizes, their mean size in bytes."""
+    from PIL import Image
+
+    bodies = loadgen.read_bodies(images)
+    sizes = set()
+    for body, _ in bodies:
+        with Image.open(io.BytesIO(body)) as image:
+            sizes.add("x".join(str(side) for side in image.size))
+    return {"folder": str(images), "count": len(bodies), "size": ", ".join(sorted(sizes)),
+            "bytes_mean": round(sum(len(body) for body, _ in bodies) / max(1, len(bodies)))}
+
+
+def decode_comparison(modes: dict) -> list[dict]:
+    """Images/s and p50/p99 with decode_at_model_size on (the default) and off, at each concurrency both ran."""
+    if "full_size_decode" not in modes:
+        return []
+    off = {step["connections"]: step for step in modes["full_size_decode"]["steps"]}
+    rows = []
+    for on in modes["batching"]["steps"]:
+        other = off.get(on["connections"])
+        if other is None:
+            continue
+        rows.append({
+            "connections": on["connections"],
+            "on": {"images_per_s": on["images_per_s"], "p50_ms": on["latency_ms"]["p50"],
+                   "p99_ms": on["latency_ms"]["p99"], "errors": on["error_total"]},
+            "off": {"images_per_s": other["images_per_s"], "p50_ms": other["latency_ms"]["p50"],
+                    "p99_ms": other["latency_ms"]["p99"], "errors": other["error_total"]},
+            "speedup": round(on["images_per_s"] / other["images_per_s"], 2) if other["images_per_s"] else None,
+        })
+    return rows
+
+
 def evaluate_targets(ceiling: dict, modes: dict) -> list[dict]:
     """Compare the sweep with the issue's three targets; report, never enforce."""
     def at(mode: str, connections: int) -> Optional[dict]:
@@ -584,6 +646,14 @@ def evaluate_targets(ceiling: dict, modes: dict) -> list[dict]:
         targets.append({"target": "64 connections: KServe v2 binary >= 0.95 x /detect",
                         "measured": v2_64["images_per_s"], "needed": round(need, 2),
                         "met": v2_64["images_per_s"] >= need})
+    factor = DECODE_TARGETS.get(Path(ceiling["model"]).name)
+    row16 = next((row for row in decode_comparison(modes) if row["connections"] == 16), None)
+    if factor and row16:
+        need = factor * row16["off"]["images_per_s"]
+        targets.append({"target": f"16 connections: decode_at_model_size on >= {factor:g} x off (meant for "
+                                  "4032x3024 JPEGs)",
+                        "measured": row16["on"]["images_per_s"], "needed": round(need, 2),
+                        "met": row16["on"]["images_per_s"] >= need})
     return targets
 
 
@@ -595,14 +665,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.2))
-    labels = {"batching": "batching on", "no_batching": "batching off (max_batch_size=1)",
-              "v2_binary": "KServe v2, binary BYTES input"}
-    for mode, style in (("batching", "o-"), ("no_batching", "s--"), ("v2_binary", "^-.")):
+    for mode, style in (("batching", "o-"), ("no_batching", "s--"), ("full_size_decode", "^:"), ("v2_binary", "^-.")):
         steps = result["modes"].get(mode, {}).get("steps")
         if not steps:
             continue
         xs = [s["connections"] for s in steps]
-        label = labels[mode]
+        label = MODE_LABELS[mode]
         left.plot(xs, [s["images_per_s"] for s in steps], style, label=label)
         right.plot(xs, [s["latency_ms"]["p99"] or 0 for s in steps], style, label=label)
         third.plot(xs, [s.get("images_per_server_cpu_s") or 0 for s in steps], style, label=label)
@@ -627,7 +695,7 @@ def plot(result: dict, path: Path) -> None:
     third.set_ylim(bottom=0)
     left.set_ylim(bottom=0)
     load = result["machine"]["load_average_start"]
-    fig.suptitle(f"{Path(result['model']).name}, 640x480 JPEG, {result['machine']['cpus']} CPUs, "
+    fig.suptitle(f"{Path(result['model']).name}, {result['images']['size']} images, {result['machine']['cpus']} CPUs, "
                  f"load average at start {load[0]:.2f} (shared machine)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -666,6 +734,12 @@ def parse_args(argv):
     parser.add_argument("--compare", action="store_true", help="also sweep with batching off")
     parser.add_argument("--v2", action="store_true",
                         help="also sweep KServe v2's /v2/models/<name>/infer with binary BYTES inputs")
+    parser.add_argument("--compare-decode", action="store_true",
+                        help="also sweep with decode_at_model_size off (every image decoded at full size)")
+    parser.add_argument("--image-size", type=_image_size, default=IMAGE_SIZE, metavar="WxH",
+                        help="size of the generated JPEG scenes, e.g. 4032x3024 for phone photos (default 640x480)")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="send the .jpg/.jpeg/.png files of this folder instead of generated scenes")
     parser.add_argument("--smoke", action="store_true", help="short CI mode: concurrency 1 and 4, tiny steps")
     parser.add_argument("--concurrency", default=None, help="comma-separated connections (default 1,4,16,64,128)")
     parser.add_argument("--duration", type=float, default=None, help="seconds per step (default 20, smoke 1.5)")
@@ -681,8 +755,8 @@ def parse_args(argv):
     parser.add_argument("--ceiling-batches", default=None, help="batch sizes for the ceiling (default 1..32)")
     parser.add_argument("--ceiling-threads", default=None,
                         help="comma-separated threads, each decoding a batch and running it (default 1,2)")
-    parser.add_argument("--images", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ceiling-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ceiling-full-size", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ceiling-json", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.model = (args.model or default_model()).resolve()
@@ -701,6 +775,21 @@ def parse_args(argv):
     return args
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 4032x3024, not {text!r}")
+    return int(width), int(height)
+
+
+def decode_at_model_size(settings: dict) -> bool:
+    """Whether servers with these --set settings decode at the model's working size (the default)."""
+    from app.settings import load_settings
+
+    return load_settings(flags={"decode_at_model_size": settings.get("decode_at_model_size")},
+                         environ={}).decode_at_model_size
+
+
 def _int_list(text: Optional[str]) -> tuple[int, ...]:
     """Parse a comma-separated flag such as "1,4,16"; empty for None."""
     return tuple(int(item) for item in text.split(",")) if text else ()
@@ -710,7 +799,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.ceiling_only:
         result = measure_ceiling(args.model, args.images, args.ceiling_batches, args.ceiling_seconds,
-                                 args.ceiling_threads)
+                                 args.ceiling_threads, not args.ceiling_full_size)
         args.ceiling_json.write_text(json.dumps(result, indent=1))
         return 0
     out = args.out.resolve()
@@ -720,10 +809,19 @@ def main(argv=None) -> int:
     print(f"bench: model {args.model}, output {out}; load average {load_start} on {os.cpu_count()} CPUs "
           "(a shared machine: figures are noisy)", file=sys.stderr, flush=True)
     try:
-        images = make_images(out / "images")
+        if args.images is not None:
+            images = args.images.resolve()
+            if not loadgen.read_bodies(images):
+                raise ValueError(f"{images} holds no .jpg, .jpeg or .png file")
+        else:
+            width, height = args.image_size
+            print(f"generating {width}x{height} JPEG scenes (kept for later runs)", file=sys.stderr, flush=True)
+            images = make_images(out / ("images" if args.image_size == IMAGE_SIZE else f"images-{width}x{height}"),
+                                 size=args.image_size)
+        decode_on = decode_at_model_size(args.settings)
         print("measuring the in-process ceiling (decode + model, no HTTP)", file=sys.stderr, flush=True)
         ceiling = run_ceiling(args.model, images, out / "ceiling.json", args.ceiling_batches, args.ceiling_seconds,
-                              args.ceiling_threads)
+                              args.ceiling_threads, decode_on)
         ceiling["load_average"] = load_average()
         print(f"  ceiling {ceiling['images_per_s']:.2f} images/s at batch {ceiling['best_batch']} with "
               f"{ceiling['best_threads']} thread(s); single image "
@@ -736,11 +834,14 @@ def main(argv=None) -> int:
         if args.v2:
             name = args.model.parent.name if args.model.name.isdigit() else args.model.name  # a version folder
             modes["v2_binary"] = sweep("v2_binary", base, args, images, out, v2_model=name)
+        if args.compare_decode:
+            modes["full_size_decode"] = sweep("full_size_decode", {**base, "decode_at_model_size": False}, args,
+                                              images, out)
         if not args.smoke:
             print("measuring the ceiling again (the machine is shared: its share of CPU drifts)", file=sys.stderr)
             again = run_ceiling(args.model, images, out / "ceiling-after.json",
                                 sorted({1, ceiling["best_batch"]}), args.ceiling_seconds,
-                                sorted({1, ceiling["best_threads"]}))
+                                sorted({1, ceiling["best_threads"]}), decode_on)
             ceiling["after_sweep"] = {"per_batch": again["per_batch"], "load_average": load_average(),
                                       "single_image_ms_p50": again["single_image_ms_p50"]}
     except (RuntimeError, OSError, ValueError) as exc:
@@ -752,14 +853,22 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - started, 1),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": load_average()},
         "step_duration_s": args.duration,
-        "images": {"count": len(list(images.glob("*.jpg"))), "size": list(IMAGE_SIZE), "format": "JPEG q90"},
+        "images": image_figures(images),
         "ceiling": ceiling,
         "modes": modes,
     }
+    result["decode_comparison"] = decode_comparison(modes)
     result["targets"] = evaluate_targets(ceiling, modes)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "bench.png")
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}", file=sys.stderr)
+    if result["decode_comparison"]:
+        print("  decode_at_model_size  on: img/s  p50 / p99 ms | off: img/s  p50 / p99 ms | on / off", file=sys.stderr)
+        for row in result["decode_comparison"]:
+            on, off = row["on"], row["off"]
+            print(f"  {row['connections']:4d} connections  {on['images_per_s']:8.2f}  {on['p50_ms']} / "
+                  f"{on['p99_ms']} | {off['images_per_s']:8.2f}  {off['p50_ms']} / {off['p99_ms']} | "
+                  f"{row['speedup']} x", file=sys.stderr)
     for target in result["targets"]:
         verdict = "met" if target["met"] else "NOT met"
         print(f"  target {verdict}: {target['target']}: measured {target['measured']}, needed {target['needed']}",

@@ -13,12 +13,14 @@ Serving signature `serving_default`: `input_tensor` uint8 [batch, height, width,
 each image answered on its own; outputs `detection_boxes` (normalized [ymin, xmin, ymax, xmax]),
 `detection_classes` (1.0, 'face'), `detection_scores` (O-Net's face probability; only faces above
 mtcnn's 0.8 are returned, as the package does) and `num_detections`, padded to MAX_DETECTIONS.
-Landmarks are not exported.
+Landmarks are not exported. Beside the SavedModel, `model_info.json` gives the working size the
+service decodes photos at (app/working_size.py): a longest side of WORKING_LONGEST_SIDE.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -39,6 +41,14 @@ THRESHOLD_PNET, NMS_PNET_PER_SCALE, NMS_PNET_ACROSS_SCALES = 0.6, 0.5, 0.7
 THRESHOLD_RNET, NMS_RNET = 0.7, 0.7
 THRESHOLD_ONET, NMS_ONET = 0.8, 0.7
 NMS_CHUNK = 512  # columns of the overlap matrix held at once: bounds memory on busy, large images
+
+# The cascade finds faces of MIN_FACE_SIZE px and more in the image it is given. Photos are decoded
+# with a longest side of at least this (Full HD's): the smallest face found is then about 1% of the
+# photo's longest side (40 px in a 4032x3024 one, a face some 14 m away with a phone's main camera),
+# and P-Net's pyramid, which costs in proportion to the pixels, runs on a quarter of a 12 MP photo's.
+# They are scaled only by whole powers of SCALE_FACTOR (0.709^2 = 0.503 for a 12 MP photo), so that
+# the pyramid visits the same scales of the photo as at full size: answers stay the full-size ones.
+WORKING_LONGEST_SIDE = 1920
 
 # Each network as mtcnn lays it out: a trunk of conv+PReLU layers and max pools, then heads.
 # Weights come in this order: per conv kernel, bias, PReLU alpha; per head kernel, bias.
@@ -332,6 +342,22 @@ def save(detector, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tf.saved_model.save(detector, str(out), signatures={"serving_default": detector.detect})
     (out / "label_map.pbtxt").write_text(LABEL_MAP)
+    (out / "model_info.json").write_text(json.dumps(model_info(), indent=2) + "\n")
+
+
+def model_info() -> dict:
+    """What the service reads beside the SavedModel: the working size, and what it follows from."""
+    return {
+        "working_size": {"longest_side": WORKING_LONGEST_SIDE, "scale_step": SCALE_FACTOR},
+        "min_face_size": MIN_FACE_SIZE,
+        "working_size_reason": (
+            f"the cascade finds faces of {MIN_FACE_SIZE} px and more in the image it is given; at a longest side "
+            f"of {WORKING_LONGEST_SIDE} px that is about 1% of the photo's longest side. Scaled by whole powers of "
+            f"the pyramid's step, the photo's pyramid levels are those of the full-size photo, less the finest"
+        ),
+        "max_detections": MAX_DETECTIONS,
+        "weights": "mtcnn 1.0.0 (P-Net, R-Net, O-Net)",
+    }
 
 
 def smoke_test(out: Path) -> None:

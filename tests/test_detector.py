@@ -37,6 +37,16 @@ def test_exact_boxes_labels_and_scores_in_pixels(detector):
     assert (box.x_min, box.y_min, box.x_max, box.y_max) == pytest.approx((10, 5, 20, 15), abs=1e-3)
 
 
+def test_boxes_are_given_in_the_size_each_image_stands_for(detector):
+    """An image decoded reduced (64x48 for a 640x480 photo) answers in the photo's pixels."""
+    image = blob_image(64, 48, {1: (10, 5, 20, 15)})
+    (found,) = detector.detect([image], threshold=0.1, max_detections=10, sizes=[(640, 480)])
+    box = found[0].box
+    assert (box.x_min, box.y_min, box.x_max, box.y_max) == pytest.approx((100, 50, 200, 150), abs=1e-3)
+    with pytest.raises(ValueError, match="1 images but 2 sizes"):
+        detector.detect([image], threshold=0.1, max_detections=10, sizes=[(640, 480), (64, 48)])
+
+
 def test_threshold_and_max_detections_cut_the_list(detector):
     image = blob_image(50, 50, {1: (0, 0, 5, 5), 2: (10, 10, 15, 15), 3: (20, 20, 25, 25)})
     assert [d.class_id for d in detector.detect([image], 0.5, 10)[0]] == [1, 2]

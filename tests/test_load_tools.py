@@ -29,21 +29,29 @@ def run_tool(name: str, *args: str, timeout: float = 240.0) -> subprocess.Comple
 
 
 def test_bench_smoke_writes_json_and_plot_with_error_free_steps(blob_model_dir, tmp_path):
+    """With --v2, --compare-decode and --image-size, as the README's KServe and photo-sized rows are measured."""
     pytest.importorskip("matplotlib", reason="the bench plot needs matplotlib (scripts/bench installs it)")
     out = tmp_path / "bench"
-    done = run_tool("bench", "--smoke", "--v2", "--model", str(blob_model_dir), "--out", str(out))
+    done = run_tool("bench", "--smoke", "--v2", "--model", str(blob_model_dir), "--out", str(out),
+                    "--compare-decode", "--image-size", "800x600")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "smoke checks passed" in done.stderr
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
     result = json.loads((out / "bench.json").read_text())
     assert result["ceiling"]["images_per_s"] > 0
     assert result["ceiling"]["single_image_ms_p50"] > 0
-    steps = result["modes"]["batching"]["steps"] + result["modes"]["v2_binary"]["steps"]  # /detect, then KServe v2
-    assert [s["connections"] for s in steps] == [1, 4, 1, 4]
-    for step in steps:
-        assert set(step["statuses"]) == {"200"} and step["connection_errors"] == 0
-        assert step["images_per_s"] > 0 and step["rss_mb"] > 0
-        assert 0 < step["latency_ms"]["p50"] <= step["latency_ms"]["p99"]
+    assert result["images"]["size"] == "800x600" and result["images"]["count"] == 16
+    assert set(result["modes"]) == {"batching", "full_size_decode", "v2_binary"}  # /detect twice, KServe v2
+    assert result["modes"]["full_size_decode"]["settings"]["decode_at_model_size"] is False
+    for mode in result["modes"].values():
+        steps = mode["steps"]
+        assert [s["connections"] for s in steps] == [1, 4]
+        for step in steps:
+            assert set(step["statuses"]) == {"200"} and step["connection_errors"] == 0
+            assert step["images_per_s"] > 0 and step["rss_mb"] > 0
+            assert 0 < step["latency_ms"]["p50"] <= step["latency_ms"]["p99"]
+    assert [row["connections"] for row in result["decode_comparison"]] == [1, 4]
+    assert all(row["speedup"] > 0 for row in result["decode_comparison"])
     assert result["machine"]["load_average_start"]
 
 

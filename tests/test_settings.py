@@ -79,6 +79,18 @@ def test_file_then_environment_then_flags_take_precedence(tmp_path):
     assert settings.model == Settings().model  # a flag given as None is not given
 
 
+@pytest.mark.parametrize("raw, expected", [("false", False), ("OFF", False), ("0", False), (" no ", False),
+                                           ("true", True), ("On", True), ("1", True), ("yes", True)])
+def test_decode_at_model_size_takes_the_usual_words_for_on_and_off(raw, expected):
+    assert load_settings(flags={"decode_at_model_size": raw}, environ={}).decode_at_model_size is expected
+
+
+def test_a_toml_boolean_is_taken_as_it_is(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("decode_at_model_size = false\n")
+    assert load_settings(config_path=config, environ={}).decode_at_model_size is False
+
+
 def test_sizes_and_gpu_lists_are_parsed():
     settings = load_settings(flags={"max_body_bytes": "3MiB", "gpus": "0,2"}, environ={})
     assert settings.max_body_bytes == 3 * 2**20
@@ -99,6 +111,7 @@ def test_sizes_and_gpu_lists_are_parsed():
         ({"DETECT_DEFAULT_THRESHOLD": "nan"}, "expected a number from 0 to 1"),
         ({"DETECT_MAX_BODY_BYTES": "20MB"}, "such as '20MiB'"),
         ({"DETECT_LOG_LEVEL": "loud"}, "expected one of DEBUG, INFO, WARNING, ERROR"),
+        ({"DETECT_DECODE_AT_MODEL_SIZE": "maybe"}, "has value 'maybe': expected true or false"),
         ({"DETECT_PROT": "8000"}, "environment variable DETECT_PROT is not a setting"),
     ],
 )

@@ -258,6 +258,8 @@ def run(server: Server) -> int:
     log.info("listening on %s://%s:%d (models %s; default %s)", "http" if tls is None else "https", address.host,
              address.port, ", ".join(server.registry.names()), _default_name(server.registry))
     _log_access(settings)
+    if not settings.decode_at_model_size:
+        log.info("decoding images at full size (decode_at_model_size is off)")
 
     def watch_readiness():
         failure = server.registry.boot_failure()

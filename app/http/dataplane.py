@@ -84,13 +84,19 @@ def tensor_images(batch: np.ndarray, signature: dict, settings, where: str) -> l
         if batch.dtype.kind not in "iuf" or not bool(np.all((batch >= 0) & (batch <= 255) & (batch == np.rint(batch)))):
             raise InvalidBody(f"{where}: pixel values must be whole numbers from 0 to 255")
         batch = batch.astype(np.uint8)
-    return [DecodedImage(pixels=batch[i], format="tensor") for i in range(batch.shape[0])]
+    return [DecodedImage(pixels=batch[i], format="tensor", width=width, height=height) for i in range(batch.shape[0])]
 
 
-def encoded_images(blobs: Sequence[bytes], settings, where: str) -> list[DecodedImage]:
+def encoded_images(blobs: Sequence[bytes], model, settings, where: str) -> list[DecodedImage]:
     """Decode image files as /detect does: the decoder allowlist, the pixel limit, EXIF orientation."""
     check_image_count(len(blobs), settings, where)
-    return [decode_image(blob, settings.max_image_pixels) for blob in blobs]
+    return decode_files(blobs, model, settings)
+
+
+def decode_files(blobs: Sequence[bytes], model, settings) -> list[DecodedImage]:
+    """Decode image files for `model`: no larger than its working size when decode_at_model_size is on."""
+    size = model.working_size() if settings.decode_at_model_size else None
+    return [decode_image(blob, settings.max_image_pixels, size) for blob in blobs]
 
 
 def check_image_count(count: int, settings, where: str) -> None:

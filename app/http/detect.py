@@ -8,9 +8,8 @@ from flask import Blueprint, g, jsonify, request
 
 from ..errors import InvalidBody
 from ..inference.detections import to_detections
-from ..inference.images import decode_image
 from .app import service
-from .dataplane import run_images
+from .dataplane import decode_files, run_images
 from .detect_request import RAW_IMAGE_TYPES, check_raw_type, images_from_json, media_type, parse_params
 
 routes = Blueprint("detect", __name__)
@@ -33,7 +32,7 @@ def _detect(model):
     deadline = time.monotonic() + settings.request_deadline_s
     params = parse_params(request.args, settings.default_threshold)
     blobs, plural = _image_blobs(settings.max_images_per_request)
-    run = run_images(model, lambda: [decode_image(blob, settings.max_image_pixels) for blob in blobs], deadline)
+    run = run_images(model, lambda: decode_files(blobs, model, settings), deadline)
     timing = {"decode": round(run.decode_s * 1000, 2)}
     if run.load_s > 0:
         timing["load"] = round(run.load_s * 1000, 2)

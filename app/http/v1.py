@@ -16,10 +16,11 @@ from flask import Blueprint, g, jsonify, request
 
 from ..errors import VersionNotFound
 from ..inference.detections import stack_outputs
-from ..inference.images import decode_image
 from .app import service
 from .bodies import inflate
-from .dataplane import check_image_count, check_version, run_images, served_version, signature_of, tensor_images
+from .dataplane import (
+    check_image_count, check_version, decode_files, run_images, served_version, signature_of, tensor_images,
+)
 from .v1_codec import parse_predict, write_predictions
 
 routes = Blueprint("v1", __name__)
@@ -68,7 +69,7 @@ def predict(name: str, version: Optional[str] = None):
               for i, item in enumerate(parsed.items) if item.pixels is not None}
 
     def prepare():
-        return [pixels[i] if item.encoded is None else decode_image(item.encoded, settings.max_image_pixels)
+        return [pixels[i] if item.encoded is None else decode_files([item.encoded], model, settings)[0]
                 for i, item in enumerate(parsed.items)]
 
     run = run_images(model, prepare, deadline)

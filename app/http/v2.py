@@ -90,7 +90,7 @@ def infer(name: str, version: Optional[str] = None):
     options = _options(parsed.parameters, settings)
     deadline = time.monotonic() + options.timeout_s
     signature = signature_of(model, deadline)
-    prepare = _images(parsed, signature, settings)
+    prepare = _images(parsed, model, signature, settings)
     wanted = _wanted_outputs(parsed, signature)
     run = run_images(model, prepare, deadline)
     tensors = _output_tensors(run, wanted, model.labels, options)
@@ -184,12 +184,12 @@ def _options(parameters: dict, settings) -> _Options:
     return _Options(float(threshold), limit, timeout_s)
 
 
-def _images(parsed: InferRequest, signature: dict, settings) -> Callable[[], list[DecodedImage]]:
+def _images(parsed: InferRequest, model, signature: dict, settings) -> Callable[[], list[DecodedImage]]:
     """Check the request's one input against the model; return what decodes it (run after admission)."""
     declared = signature["input"]
     encoded_model = declared["dtype"] == "string"
     if parsed.raw is not None:
-        return lambda: encoded_images([parsed.raw], settings, "the raw request body")
+        return lambda: encoded_images([parsed.raw], model, settings, "the raw request body")
     if len(parsed.inputs) != 1:
         raise InvalidBody(f"the request has {len(parsed.inputs)} inputs; give one: {declared['name']!r} or "
                           f"{IMAGE_INPUT!r}")
@@ -201,7 +201,7 @@ def _images(parsed: InferRequest, signature: dict, settings) -> Callable[[], lis
                               f"{tensor.datatype} {list(tensor.shape)}")
         blobs = tensor.data if tensor.binary else [
             decode_base64(item.decode("utf-8", "replace"), f"{where} element {i}") for i, item in enumerate(tensor.data)]
-        return lambda: encoded_images(blobs, settings, where)
+        return lambda: encoded_images(blobs, model, settings, where)
     if tensor.name != declared["name"]:
         raise InvalidBody(f"unknown input {tensor.name!r}; model inputs are {declared['name']!r} and {IMAGE_INPUT!r}")
     allowed = ("UINT8", "FP32") if declared["dtype"] == "float32" else ("UINT8",)

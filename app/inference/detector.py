@@ -176,14 +176,21 @@ class Detector:
         return results  # type: ignore[return-value]
 
     def detect(self, images: Sequence[np.ndarray], threshold: float, max_detections: int,
-               deadline: Optional[float] = None) -> list[list[Detection]]:
+               deadline: Optional[float] = None, sizes: Optional[Sequence[tuple[int, int]]] = None
+               ) -> list[list[Detection]]:
         """Detect objects in RGB uint8 images [H, W, 3]; one list per image, best score first.
 
-        In-process use runs the calls in the caller's thread; `deadline` is ignored here.
+        Boxes are in pixels of `sizes` (width, height per image: the originals' where the images were
+        decoded reduced), else of the images themselves. In-process use runs the calls in the caller's
+        thread; `deadline` is ignored here.
         """
+        if sizes is None:
+            sizes = [(image.shape[1], image.shape[0]) for image in images]
+        if len(sizes) != len(images):
+            raise ValueError(f"{len(images)} images but {len(sizes)} sizes")
         return [
-            to_detections(out, image.shape[1], image.shape[0], self.labels, threshold, max_detections)
-            for image, out in zip(images, self.infer(images))
+            to_detections(out, width, height, self.labels, threshold, max_detections)
+            for (width, height), out in zip(sizes, self.infer(images))
         ]
 
     def warm_up(self) -> None:

@@ -3,6 +3,11 @@
 Only the allowlisted decoders run (EPS never reaches Ghostscript); the pixel limit is checked from
 the header before any pixel is decoded; EXIF orientation is applied so boxes are in the image as
 the user sees it; every mode is converted to 8-bit RGB (alpha dropped, as TensorFlow's decoders do).
+
+Given a model's working size (app/inference/working_size.py), an image is decoded no larger than the
+model needs: a JPEG by its decoder's own scaling (1/2, 1/4 or 1/8, in the DCT domain, so the skipped
+pixels are never made), then any image reduced the rest of the way. The DecodedImage keeps the
+original's displayed width and height, for the answer and its boxes.
 Called in WSGI request threads; thread-safe. The process calls `app.process.configure_pillow` first.
 """
 
@@ -10,11 +15,13 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
-from PIL import ExifTags, Image
+from PIL import ExifTags, Image, JpegImagePlugin
 
 from ..errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
+from .working_size import WorkingSize
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 
@@ -36,22 +43,23 @@ _REFUSED_MAGIC = {
 
 @dataclass(frozen=True)
 class DecodedImage:
-    """An RGB uint8 array [height, width, 3] and the format it came in."""
+    """What the model sees, and the size of the image the user sees.
+
+    `pixels` is RGB uint8 [rows, columns, 3], upright, possibly reduced; `width` and `height` are
+    the original's, after EXIF orientation: answers and boxes are given in them.
+    """
 
     pixels: np.ndarray
     format: str
-
-    @property
-    def width(self) -> int:
-        return int(self.pixels.shape[1])
-
-    @property
-    def height(self) -> int:
-        return int(self.pixels.shape[0])
+    width: int
+    height: int
 
 
-def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
-    """Decode one image; raise InvalidImage, UnsupportedImageFormat or ImageTooLarge."""
+def decode_image(data: bytes, max_pixels: int, working_size: Optional[WorkingSize] = None) -> DecodedImage:
+    """Decode one image, no larger than `working_size` needs (None: full size).
+
+    Raise InvalidImage, UnsupportedImageFormat or ImageTooLarge.
+    """
     if not data:
         raise InvalidImage("the image is empty")
     try:
@@ -76,13 +84,17 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
         fmt = image.format or "unknown"
         try:
             image.seek(0)  # GIF and animated WebP: the first frame only
+            _draft(image, working_size)
             image.load()
-            rgb = _to_rgb(_upright(image))
+            orientation = _orientation(image)
+            if orientation in _SWAPS_SIDES:
+                width, height = height, width
+            rgb = _reduce(_to_rgb(_turn(image, orientation)), working_size, (width, height))
         except (ImageTooLarge, InvalidImage):
             raise
         except Exception as exc:  # truncated or corrupt data surfaces here, as OSError, ValueError, ...
             raise InvalidImage(f"the {fmt} image is corrupt or truncated: {exc}") from None
-    return DecodedImage(pixels=rgb, format=fmt)
+    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8), format=fmt, width=width, height=height)
 
 
 def _refused_format(data: bytes) -> str | None:
@@ -101,35 +113,83 @@ _TRANSPOSE = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
+_SWAPS_SIDES = (5, 6, 7, 8)  # orientations whose turn swaps width and height
 
 
-def _upright(image: Image.Image) -> Image.Image:
-    """Apply EXIF orientation; malformed EXIF or an orientation outside 1-8 leaves the image as stored.
+def _orientation(image: Image.Image) -> int:
+    """Return the EXIF orientation; 1 (as stored) where it is missing, malformed or outside 1-8.
 
-    ImageOps.exif_transpose would do the same but copy every image that needs no turn and rewrite the EXIF
-    of every one that does; only the pixels matter here.
+    A JPEG's EXIF is read at open, so this may run before load(); other formats may load to find it.
     """
     try:
         orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
     except Exception:  # malformed EXIF must not fail the request
-        return image
-    method = _TRANSPOSE.get(orientation) if type(orientation) is int else None
+        return 1
+    return orientation if type(orientation) is int and orientation in _TRANSPOSE else 1
+
+
+def _turn(image: Image.Image, orientation: int) -> Image.Image:
+    """Apply an EXIF orientation, so the pixels are as the user sees them.
+
+    ImageOps.exif_transpose would do the same but copy every image that needs no turn and rewrite the EXIF
+    of every one that does; only the pixels matter here.
+    """
+    method = _TRANSPOSE.get(orientation)
     return image if method is None else image.transpose(method)
 
 
-def _to_rgb(image: Image.Image) -> np.ndarray:
+# A JPEG decoder's scale may fall this far short of a cascade's scale (MTCNN's 0.709 squared is 0.5027,
+# a 1/2 decode gives 0.5): the decoded image is then enlarged by under 2% to the exact scale, at a
+# fraction of the cost of decoding at full size.
+DRAFT_SLACK = 0.02
+
+
+def _draft(image: Image.Image, working_size: Optional[WorkingSize]) -> None:
+    """Have the JPEG decoder scale by 1/2, 1/4 or 1/8 where the working size allows; before load().
+
+    The scale is worked out on the size as displayed: a turn by EXIF swaps width and height, and the
+    working size is the model's, upright. The scale itself is the same along both sides.
+    """
+    if working_size is None or not isinstance(image, JpegImagePlugin.JpegImageFile):
+        return
+    width, height = image.size
+    turned = _orientation(image) in _SWAPS_SIDES
+    least = working_size.scale(*((height, width) if turned else (width, height))) * (1 - DRAFT_SLACK)
+    scale = next(s for s in (8, 4, 2, 1) if 1 / s >= least)
+    if scale > 1:
+        # Pillow picks the largest scale whose result is at least the size asked for: ask for exactly 1/scale.
+        image.draft(None, (max(1, width // scale), max(1, height // scale)))
+
+
+def _reduce(image: Image.Image, working_size: Optional[WorkingSize], original: tuple[int, int]) -> Image.Image:
+    """Bring an upright RGB image, possibly drafted, down to the working size; `original` is its full size.
+
+    By whole factors, a box average (Image.reduce): every source pixel counts once, as in the JPEG
+    decoder's own scaling. By a scale step, a bicubic resize to the exact size of that scale. Done after
+    the conversion to RGB, so palette images average colours, not palette indices.
+    """
+    if working_size is None:
+        return image
+    if working_size.scale_step:
+        target = working_size.target_size(*original)
+        return image if image.size == target else image.resize(target, Image.BICUBIC, reducing_gap=2.0)
+    factor = working_size.reduction(*image.size)
+    return image.reduce(factor) if factor > 1 else image
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
     mode = image.mode
     if mode in ("I;16", "I;16B", "I;16L", "I;16N"):
         wide = np.asarray(image, dtype=np.uint16)
         grey = (wide >> 8).astype(np.uint8)
-        return np.repeat(grey[..., None], 3, axis=2)
+        return Image.fromarray(np.repeat(grey[..., None], 3, axis=2))
     if mode == "I":
         grey = np.clip(np.asarray(image, dtype=np.int64) >> 8, 0, 255).astype(np.uint8)
-        return np.repeat(grey[..., None], 3, axis=2)
+        return Image.fromarray(np.repeat(grey[..., None], 3, axis=2))
     if mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     elif mode == "PA":
         image = image.convert("RGBA")
     if image.mode != "RGB":
         image = image.convert("RGB")
-    return np.asarray(image, dtype=np.uint8)
+    return image

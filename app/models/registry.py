@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Optional
 
 from ..errors import (
@@ -36,6 +37,7 @@ from ..gpu.budget import Gpu, Ledger, cap_mib
 from ..inference.batcher import InferenceQueue
 from ..inference.detections import ModelOutputs
 from ..inference.labels import load_label_map
+from ..inference.working_size import WorkingSize, read_working_size
 from ..settings import ModelSettings, Settings
 from ..supervision import BOOT_ERROR, ExitHistory, RestartRule, describe_exit
 from .repository import ModelRepository, ModelSource, ModelVersion, fingerprint
@@ -75,6 +77,7 @@ class ServedModel:
         # protocol metadata answers without a load: the contract's view, and the signature_def map.
         self.signature: Optional[dict] = None
         self.signature_defs: Optional[dict] = None
+        self._working_size: tuple[Optional[Path], Optional[WorkingSize]] = (None, None)  # (version folder, its size)
         self.attempt: Optional[_Attempt] = None
         self.history = ExitHistory(registry.restart_rule)
         self.unloaded_by_request = False
@@ -97,6 +100,28 @@ class ServedModel:
         )
 
     # The request path ------------------------------------------------------------------------------
+
+    def working_size(self) -> Optional[WorkingSize]:
+        """The working size the version served (or about to be) declares in model_info.json, or None.
+
+        Read in the HTTP process, without TensorFlow, once per version folder. A file that cannot be read
+        is logged and the model's images are decoded at full size: answers stay right, only slower.
+        """
+        version = self.version or self.source.latest()
+        if version is None:
+            return None
+        folder, size = self._working_size
+        if folder != version.path:
+            try:
+                size = read_working_size(version.path)
+            except ModelError as exc:
+                log.warning("model %s: %s; decoding its images at full size", self.name, exc.message)
+                size = None
+            if size is not None:
+                log.info("model %s version %s: decoding images no larger than it needs: %s", self.name,
+                         version.version, size.describe())
+            self._working_size = (version.path, size)
+        return size
 
     def admit(self) -> None:
         """Count a request in: it holds the model loaded (no idle unload, no eviction) until `release`.
