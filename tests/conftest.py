@@ -80,7 +80,7 @@ def running_registry(model: Path | str = "", repository: Path | str = "", timeou
 @pytest.fixture(scope="session")
 def blob_registry(blob_model_dir):
     """The blob model served by a real registry and worker, shared by the Flask-level tests."""
-    with running_registry(blob_model_dir, spare_workers=0) as registry:
+    with running_registry(blob_model_dir, spare_workers=0, idle_unload_s=0) as registry:  # loaded all session
         yield registry
 
 
@@ -219,7 +219,9 @@ def server(blob_model_dir, tmp_path_factory):
     srv = start_server(
         {"DETECT_MODEL": str(blob_model_dir), "DETECT_MAX_BODY_BYTES": "2MiB",
          "DETECT_MAX_IMAGE_PIXELS": "4000000", "DETECT_MAX_IMAGES_PER_REQUEST": "4",
-         "DETECT_HEADER_TIMEOUT_S": "1", "DETECT_BODY_TIMEOUT_S": "2"},
+         "DETECT_HEADER_TIMEOUT_S": "1", "DETECT_BODY_TIMEOUT_S": "2",
+         # The session is longer than the idle unload's 300 s; the tests on this server expect it loaded.
+         "DETECT_IDLE_UNLOAD_S": "0"},
         log_path,
     )
     yield srv
