@@ -104,6 +104,28 @@ def _model_name(value: Any) -> str:
     return name
 
 
+_ORIGIN = re.compile(r"^(https?)://([a-z0-9]([a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\])(:(\d{1,5}))?$")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _origins(value: Any) -> tuple[str, ...]:
+    """Parse browser origins (scheme://host[:port]), comma-separated or a TOML list, as browsers write them."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    origins = []
+    for item in items:
+        origin = str(item).strip().rstrip("/").lower()
+        if not origin:
+            continue
+        match = _ORIGIN.match(origin)
+        if not match or (match.group(5) and not 0 < int(match.group(5)) < 65536):
+            raise ValueError("expected origins such as https://app.example or http://localhost:3000, comma-separated: "
+                             "a scheme, a host and a port, no path, and no '*'")
+        if match.group(5) == _DEFAULT_PORTS[match.group(1)]:  # a browser's Origin header leaves it out
+            origin = origin[: -len(match.group(4))]
+        origins.append(origin)
+    return tuple(dict.fromkeys(origins))
+
+
 def _log_level(value: Any) -> str:
     level = str(value).strip().upper()
     if level not in LOG_LEVELS:
@@ -173,6 +195,10 @@ class Settings:
     )
     tls_cert_file: str = _setting("", _optional_text, "PEM certificate (chain) to serve HTTPS with ('' plain HTTP)")
     tls_key_file: str = _setting("", _optional_text, "PEM private key of tls_cert_file")
+    # Empty: the page is served from this origin and needs none; a browser app elsewhere must be listed.
+    cors_origins: tuple[str, ...] = _setting(
+        (), _origins, "origins whose browser pages may call the API (comma-separated, e.g. https://app.example; '' none)"
+    )
     # Inference scheduling: batching, concurrency, admission.
     max_batch_size: int = _setting(
         16, _int_in(1, 256), "most images in one model call (batching needs a model whose batch dimension is None)"

@@ -13,6 +13,8 @@ from app.settings import Settings, env_name, flag_name, setting_fields  # noqa: 
 def default_text(value) -> str:
     if value is None:
         return '`""` (all)'
+    if isinstance(value, tuple):
+        return f"`{','.join(str(v) for v in value)}`" if value else '`""`'
     if isinstance(value, str):
         return f"`{value}`" if value else '`""`'
 

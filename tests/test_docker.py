@@ -309,6 +309,15 @@ def test_the_container_answers_a_photo_as_the_readme_shows(container):
 
 
 @pytest.mark.docker
+def test_the_container_serves_the_page_and_its_files(container):
+    status, headers, page = container.request("GET", "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html") and b"/static/page.js" in page
+    assert "default-src 'self'" in headers["Content-Security-Policy"]
+    for name in ("page.js", "page.css", "favicon.svg"):
+        assert container.request("GET", f"/static/{name}")[0] == 200, name
+
+
+@pytest.mark.docker
 def test_gpu_reports_the_cap_given_by_docker_run_e(container):
     status, _, report = container.request("GET", "/gpu")
     assert status == 200

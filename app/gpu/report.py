@@ -161,6 +161,9 @@ class GpuReport:
             "fleet": None if fleet is None else {
                 "state_file": str(self._fleet_state), "fleet_pid": fleet.fleet_pid,
                 "gpu_overhead_mib": fleet.gpu_overhead_mib, "instances": [i.name for i in fleet.instances],
+                # What the page needs to link the other instances (on this host, so by port).
+                "members": [{"name": i.name, "port": i.port, "model": i.model, "state": i.state,
+                             "this_instance": i.name == self._instance_name} for i in fleet.instances],
             },
             "gpus": gpus,
             "workers": [self._worker_rows(w, devices, unavailable) for w in workers],

@@ -16,6 +16,7 @@ from ..metrics import ServiceMetrics
 from ..settings import Settings
 from .access import parse_restricted_api, refusal
 from .errors import error_answer
+from .headers import install_headers
 from .paths import protocol_of
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,13 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
     from .ops import routes as ops_routes
     from .v1 import routes as v1_routes
     from .v2 import routes as v2_routes
+    from .page import routes as page_routes
 
-    app = Flask(__name__)
+    app = Flask(__name__, static_folder=None)  # the page serves its own files, by name (app/http/page.py)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     app.extensions["detect"] = Service(settings, models, gpu, metrics or ServiceMetrics(gpu), lifecycle)
-    for blueprint in (detect_routes, model_routes, ops_routes, v2_routes, v1_routes, openapi_routes):
+    for blueprint in (detect_routes, model_routes, ops_routes, v2_routes, v1_routes, openapi_routes, page_routes):
         app.register_blueprint(blueprint)
     app.register_error_handler(RequestError, _request_error)
     app.register_error_handler(HTTPException, _http_exception)
@@ -60,7 +62,7 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
     app.before_request(_start_timer)
     app.before_request(_check_access)
     app.after_request(_record_request)
-    app.after_request(_no_sniffing)
+    install_headers(app, settings.cors_origins)
     return app
 
 
@@ -83,7 +85,7 @@ def error_response(error: RequestError, extra_headers=()) -> Response:
     return Response(answer.body, status=answer.status, headers=list(answer.headers))
 
 
-ROUTES_HINT = ("/detect, /models, /models/<name>/detect, /gpu, /healthz, /readyz, /metrics, /openapi.json, "
+ROUTES_HINT = ("/ (the page), /detect, /models, /models/<name>/detect, /gpu, /healthz, /readyz, /metrics, /openapi.json, "
                "/v2/... (KServe v2), /v1/models/... (TF Serving)")
 
 
@@ -120,11 +122,6 @@ def _check_access():
     refused = refusal(request.path, request.headers, request.remote_addr, current_app.extensions["restrictions"])
     if refused is not None:
         raise refused
-
-
-def _no_sniffing(response):
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    return response
 
 
 def _record_request(response):

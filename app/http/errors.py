@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import DeadlineExceeded, OutOfMemory, RequestError, UnsupportedMediaType, http_status
+from .headers import SECURITY_HEADERS
 from .paths import DETECT, V1, V2
 
 # Where Triton's HTTP server answers differently: it refuses every malformed request with 400, and a
@@ -60,10 +61,10 @@ class ErrorAnswer:
 
 def error_answer(error: RequestError, protocol: str = DETECT,
                  extra_headers: Sequence[tuple[str, str]] = ()) -> ErrorAnswer:
-    """Write the answer to `error`: its status, JSON body, and Retry-After where it has one."""
+    """Write the answer to `error`: its status, JSON body, the security headers, and Retry-After where it has one."""
     body = _html_safe(json.dumps(error_document(error, protocol), separators=(", ", ": "))).encode()
     headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-               ("X-Content-Type-Options", "nosniff")]
+               *SECURITY_HEADERS]
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:
         headers.append(("Retry-After", str(retry_after)))

@@ -233,7 +233,8 @@ def document(model_names: list[str], version: str, title: str) -> dict:
                             "responses": {"200": _json({"type": "object", "required": ["models", "spares"],
                                                         "properties": {
                                                             "models": {"type": "array", "items": _ref("Model")},
-                                                            "spares": {"type": "array"}}}, "the models"),
+                                                            "spares": {"type": "array"},
+                                                            "default_model": {"type": ["string", "null"]}}}, "the models"),
                                           **detect_errors}}},
         "/models/{name}": {"get": {"tags": ["models"], "summary": "one model", "parameters": [name],
                                    "responses": {"200": _json(_ref("Model"), "the model"), **detect_errors}}},
@@ -245,6 +246,18 @@ def document(model_names: list[str], version: str, title: str) -> dict:
             "503": _json(_ref("DetectError"), "loading, a preloaded model failed, or shutting down")}}},
         "/gpu": {"get": {"tags": ["ops"], "summary": "GPU memory as NVML and TensorFlow see it",
                          "responses": {"200": _json({"type": "object"}, "the report")}}},
+        "/gpu/history": {"get": {
+            "tags": ["ops"], "summary": "the last minutes of memory per model, the HTTP process and the spares",
+            "parameters": [{"name": "since", "in": "query", "required": False, "schema": {"type": "number"},
+                            "description": "only the samples taken after this unix time (s)"}],
+            "responses": {"200": _json({"type": "object", "required": ["interval_s", "keep_s", "now_unix", "series"],
+                                        "properties": {"interval_s": {"type": "number"}, "keep_s": {"type": "number"},
+                                                       "now_unix": {"type": "number"},
+                                                       "fields": {"type": "array", "items": {"type": "string"}},
+                                                       "series": {"type": "array"}}}, "the samples, by series"),
+                          **detect_errors}}},
+        "/": {"get": {"tags": ["page"], "summary": "the page: try a model, watch the memory", "responses": {
+            "200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
         "/metrics": {"get": {"tags": ["ops"], "summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"tags": ["ops"], "summary": "this document",
@@ -291,7 +304,7 @@ def document(model_names: list[str], version: str, title: str) -> dict:
         "info": {"title": title, "version": version,
                  "description": "Object detection over HTTP: this service's own /detect, KServe v2 (Open Inference "
                                 "Protocol, with Triton's binary tensor data extension) and TF Serving's REST API."},
-        "tags": [{"name": "detect"}, {"name": "models"}, {"name": "ops"},
+        "tags": [{"name": "detect"}, {"name": "models"}, {"name": "ops"}, {"name": "page"},
                  {"name": "v2", "description": "KServe v2 / Open Inference Protocol; errors {\"error\": \"...\"}"},
                  {"name": "v1", "description": "TF Serving REST API; errors {\"error\": \"...\"}"}],
         "paths": paths,

@@ -1,10 +1,12 @@
-"""Operations routes: /healthz, /readyz, /gpu and /metrics."""
+"""Operations routes: /healthz, /readyz, /gpu, /gpu/history and /metrics."""
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify
+import math
 
-from ..errors import NotReady
+from flask import Blueprint, Response, jsonify, request
+
+from ..errors import InvalidParameter, NotReady
 from .app import service
 
 routes = Blueprint("ops", __name__)
@@ -31,6 +33,24 @@ def readyz():
 @routes.get("/gpu")
 def gpu():
     return jsonify(service().gpu.to_json())
+
+
+@routes.get("/gpu/history")
+def gpu_history():
+    """The last minutes of memory per model, the HTTP process and the spares, as the server sampled them."""
+    unknown = sorted(set(request.args) - {"since"})
+    if unknown:
+        raise InvalidParameter(f"unknown query parameter {unknown[0][:40]!r}; /gpu/history takes since")
+    since = request.args.get("since")
+    if since is not None:
+        try:
+            value = float(since)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise InvalidParameter(f"since must be a unix time in seconds, not {since[:40]!r}")
+        since = value
+    return jsonify(service().models.history.to_json(since))
 
 
 @routes.get("/metrics")

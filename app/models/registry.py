@@ -40,6 +40,7 @@ from ..inference.labels import load_label_map
 from ..inference.working_size import WorkingSize, read_working_size
 from ..settings import ModelSettings, Settings
 from ..supervision import BOOT_ERROR, ExitHistory, RestartRule, describe_exit
+from .history import MemoryHistory, sample_memory
 from .repository import ModelRepository, ModelSource, ModelVersion, fingerprint
 from .workers import WorkerPool, WorkerProcess
 
@@ -525,6 +526,7 @@ class ModelRegistry:
         self._stop = threading.Event()
         self._next_poll = 0.0
         self._reservations = 0
+        self.history = MemoryHistory()  # the last minutes of memory per model, sampled by the supervisor
         if metrics is not None:
             metrics.watch_models(self)
 
@@ -746,7 +748,7 @@ class ModelRegistry:
 
     def spares(self) -> list[dict]:
         """Describe the spare workers: started, TensorFlow imported once `ready`, no model yet."""
-        return [{"pid": w.pid, "ready": w.spare.is_set()} for w in self.pool.spares()]
+        return [{"pid": w.pid, "ready": w.spare.is_set(), "rss_mib": w.rss_mib()} for w in self.pool.spares()]
 
     def workers(self) -> list[dict]:
         """Describe every model worker for /gpu: pid, model, version, caps, policy, TensorFlow's figures."""
@@ -799,6 +801,8 @@ class ModelRegistry:
             busy = any(m.state in ("loading", "unloading") or m.swapping for m in self.models.values())
         if not busy:
             self.pool.refill()
+        if self.history.due(now):
+            self.history.record(time.time(), sample_memory(self))
 
     def _unload_idle(self, model: ServedModel) -> None:
         try:

@@ -263,14 +263,19 @@ class WorkerProcess:
 
     def rss_mib(self) -> Optional[float]:
         """Return its resident memory (host RAM) in MiB, from /proc; None once it has exited."""
-        try:
-            with open(f"/proc/{self.pid}/status") as status:
-                for line in status:
-                    if line.startswith("VmRSS:"):
-                        return round(int(line.split()[1]) / 1024, 1)
-        except OSError:
-            return None
+        return rss_mib(self.pid)
+
+
+def rss_mib(pid: int) -> Optional[float]:
+    """Return a process's resident memory (host RAM) in MiB, from /proc; None if it is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
         return None
+    return None
 
 
 class WorkerPool:

@@ -1,0 +1,514 @@
+// The page's only script: try a model on an image, and watch how the models share memory.
+// It speaks to this service's own JSON routes and nothing else (the Content-Security-Policy allows
+// no other origin): /models, /models/<name>/detect, /gpu, /gpu/history, and the repository
+// extension's /v2/repository/models/<name>/load and /unload.
+"use strict";
+
+const POLL_MS = 2000;
+const COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
+const OTHER_COLOUR = "#9aa5b1";
+const SERVER_COLOUR = "#5a6570";
+
+const $ = (id) => document.getElementById(id);
+const state = {
+  image: null,        // {blob, url, name} of the image on show
+  models: [],         // /models' rows
+  history: new Map(), // series key -> {kind, name, samples: [[unix, mib, source, state], ...]}
+  historySince: null, // unix time of the newest sample held
+  keepS: 600,
+  offsetS: 0,         // server clock minus this clock, from /gpu/history's now_unix
+  colours: new Map(),
+  detecting: 0,       // which detect request is the latest; older answers are dropped
+  busy: new Set(),    // models with a load or unload in flight from this page
+};
+
+// ---------------------------------------------------------------------------------------------
+// Talking to the service
+
+class ServiceError extends Error {}
+
+async function call(method, path, body, contentType) {
+  let response;
+  try {
+    const init = { method, headers: { Accept: "application/json" } };
+    if (body !== undefined) {
+      init.body = body;
+      init.headers["Content-Type"] = contentType || "application/octet-stream";
+    }
+    response = await fetch(path, init);
+  } catch (err) {
+    throw new ServiceError(`the service did not answer (${err.message || err})`);
+  }
+  const text = await response.text();
+  let answer = null;
+  try {
+    answer = text ? JSON.parse(text) : null;
+  } catch (err) {
+    answer = null;
+  }
+  if (!response.ok) {
+    throw new ServiceError(`Error ${response.status}: ${errorMessage(answer, text)}`);
+  }
+  if (answer === null && text) {
+    throw new ServiceError(`${method} ${path} answered ${response.status} with something other than JSON`);
+  }
+  return answer;  // null for an empty answer (the repository extension's load and unload)
+}
+
+function errorMessage(answer, text) {
+  // Every protocol's error shape: ours {"error": {"message"}}, KServe v2 {"error": "..."}, TF Serving's too.
+  if (answer && typeof answer.error === "object" && answer.error !== null && answer.error.message) {
+    return answer.error.message;
+  }
+  if (answer && typeof answer.error === "string") return answer.error;
+  return (text || "no message").slice(0, 300);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key === "className") node.className = value;
+    else if (key === "text") node.textContent = value;
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function mib(value) {
+  if (value === null || value === undefined) return "–";
+  if (value >= 10240) return `${(value / 1024).toFixed(1)} GiB`;
+  return `${Math.round(value)} MiB`;
+}
+
+function colourOf(key) {
+  if (!state.colours.has(key)) {
+    if (key === "server") state.colours.set(key, SERVER_COLOUR);
+    else if (key === "spares") state.colours.set(key, OTHER_COLOUR);
+    else state.colours.set(key, COLOURS[state.colours.size % COLOURS.length]);
+  }
+  return state.colours.get(key);
+}
+
+function showError(box, message) {
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Try a model
+
+function chosenModel() {
+  return $("model").value;
+}
+
+function threshold() {
+  return Number($("threshold").value).toFixed(2);
+}
+
+function fillModels(listing) {
+  const select = $("model");
+  const before = select.value;
+  const names = listing.models.map((m) => m.name);
+  const same = names.length === select.options.length && names.every((n, i) => select.options[i].value === n);
+  if (!same) {
+    select.replaceChildren(...names.map((name) => el("option", { value: name, text: name })));
+    const preferred = names.includes(before) ? before : (listing.default_model || names[0] || "");
+    select.value = preferred;
+  }
+  select.disabled = names.length === 0;
+  if (names.length === 0) select.replaceChildren(el("option", { value: "", text: "no models are served" }));
+}
+
+function takeImage(file) {
+  if (!file) return;
+  if (file.type && !file.type.startsWith("image/")) {
+    showError($("error"), `${file.name || "that file"} is not an image (${file.type})`);
+    return;
+  }
+  if (state.image) URL.revokeObjectURL(state.image.url);
+  state.image = { blob: file, url: URL.createObjectURL(file), name: file.name || "pasted image" };
+  detect();
+}
+
+async function detect() {
+  const image = state.image;
+  const model = chosenModel();
+  if (!image || !model) return;
+  const mine = ++state.detecting;
+  showError($("error"), "");
+  $("status").textContent = `Asking ${model} about ${image.name}…`;
+  const path = `/models/${encodeURIComponent(model)}/detect?threshold=${threshold()}`;
+  try {
+    const answer = await call("POST", path, image.blob, image.blob.type || "application/octet-stream");
+    if (mine !== state.detecting) return;
+    await showAnswer(image, answer);
+    const count = answer.detections.length;
+    $("status").textContent = `${answer.model.name} v${answer.model.version} found ${count} ` +
+      `${count === 1 ? "object" : "objects"} at threshold ${threshold()}.`;
+  } catch (err) {
+    if (mine !== state.detecting) return;
+    $("status").textContent = "";
+    showError($("error"), err instanceof ServiceError ? err.message : `the page failed: ${err.message || err}`);
+  }
+}
+
+function showAnswer(image, answer) {
+  const photo = $("photo");
+  $("result").hidden = false;
+  return new Promise((resolve) => {
+    const draw = () => {
+      drawBoxes(answer);
+      listDetections(answer);
+      resolve();
+    };
+    if (photo.dataset.src === image.url && photo.complete) {
+      draw();
+      return;
+    }
+    photo.onload = draw;
+    photo.onerror = () => { drawBoxes(answer); listDetections(answer); resolve(); };
+    photo.dataset.src = image.url;
+    photo.alt = `${image.name}, with what ${answer.model.name} found boxed`;
+    photo.src = image.url;
+  });
+}
+
+function drawBoxes(answer) {
+  // Boxes are in the pixels of the upright image (EXIF applied), as the browser shows it; placing them
+  // in percent keeps them on the image at any displayed size.
+  const boxes = $("boxes");
+  boxes.replaceChildren();
+  for (const [i, d] of answer.detections.entries()) {
+    const b = d.box;
+    const box = el("div", { className: "box", "data-index": i, "aria-hidden": "true" },
+      el("span", { className: "box-label", text: `${d.label} ${d.score.toFixed(2)}` }));
+    box.style.left = `${(100 * b.x_min) / answer.width}%`;
+    box.style.top = `${(100 * b.y_min) / answer.height}%`;
+    box.style.width = `${(100 * (b.x_max - b.x_min)) / answer.width}%`;
+    box.style.height = `${(100 * (b.y_max - b.y_min)) / answer.height}%`;
+    if (b.y_min < 0.08 * answer.height) box.classList.add("low");
+    boxes.append(box);
+  }
+  const t = answer.timing_ms || {};
+  const parts = [`decode ${t.decode} ms`];
+  if (t.load !== undefined) parts.push(`load ${t.load} ms (the model was not loaded)`);
+  parts.push(`inference ${t.inference} ms`, `total ${t.total} ms`);
+  $("timing").textContent = `${answer.width}×${answer.height} px · ${parts.join(" · ")}`;
+}
+
+function listDetections(answer) {
+  const items = answer.detections.map((d) => el("li", {},
+    el("span", { className: "label", text: d.label }), " ",
+    el("span", { className: "score", text: d.score.toFixed(3) }), " at ",
+    `(${Math.round(d.box.x_min)}, ${Math.round(d.box.y_min)})–(${Math.round(d.box.x_max)}, ${Math.round(d.box.y_max)})`));
+  if (items.length === 0) items.push(el("li", { className: "none", text: "nothing above the threshold" }));
+  $("detections").replaceChildren(...items);
+}
+
+function wireTryPanel() {
+  const drop = $("drop");
+  $("file").addEventListener("change", (event) => takeImage(event.target.files[0]));
+  drop.addEventListener("dragover", (event) => { event.preventDefault(); drop.classList.add("over"); });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (event) => {
+    event.preventDefault();
+    drop.classList.remove("over");
+    takeImage(event.dataTransfer.files[0]);
+  });
+  document.addEventListener("paste", (event) => {
+    const item = [...(event.clipboardData?.items || [])].find((i) => i.kind === "file" && i.type.startsWith("image/"));
+    if (item) {
+      event.preventDefault();
+      takeImage(item.getAsFile());
+    }
+  });
+  $("threshold").addEventListener("input", () => { $("threshold-value").textContent = threshold(); });
+  $("threshold").addEventListener("change", detect);
+  $("model").addEventListener("change", detect);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Watch the memory
+
+function renderDevices(gpu, listing) {
+  const devices = $("devices");
+  const note = $("memory-note");
+  const accounting = gpu.accounting || {};
+  if (!gpu.available || !(gpu.devices || []).length) {
+    note.hidden = false;
+    note.textContent = "No GPU here" + (gpu.reason ? ` (${gpu.reason})` : "") +
+      ": GPU caps are not enforced on this host, and the figures below are the processes' resident host memory.";
+    devices.replaceChildren(hostTable(gpu, listing));
+    return;
+  }
+  note.hidden = true;
+  const byIndex = new Map((accounting.gpus || []).map((g) => [g.index, g.processes]));
+  devices.replaceChildren(...gpu.devices.map((device) => deviceBlock(device, byIndex.get(device.index) || [])),
+    el("p", { className: "muted", id: "http-process", text: `This server's HTTP process (pid ${gpu.pid}) holds no GPU ` +
+      `memory, as it never loads TensorFlow; it holds ${mib(latest("server"))} of host memory.` }));
+}
+
+function deviceBlock(device, processes) {
+  const memory = device.memory_mib || {};
+  const total = memory.total || 1;
+  const meter = el("div", { className: "meter", role: "img",
+    "aria-label": `GPU ${device.index}: ${mib(memory.used)} of ${mib(memory.total)} used` });
+  for (const p of processes) {
+    const key = p.owner === "worker" ? p.model : (p.owner === "server" ? "server" : null);
+    const part = el("span", { title: `${processLabel(p)}: ${mib(p.used_mib)}` });
+    part.style.width = `${(100 * (p.used_mib || 0)) / total}%`;
+    part.style.background = key ? colourOf(key) : OTHER_COLOUR;
+    meter.append(part);
+  }
+  const rows = processes.map((p) => el("tr", { "data-pid": p.pid, "data-owner": p.owner },
+    el("td", { text: String(p.pid) }),
+    el("td", { text: processLabel(p) }),
+    el("td", { className: "num", text: mib(p.used_mib) }),
+    el("td", { className: "num", text: p.cap_mib === null ? "–" : mib(p.cap_mib) }),
+    el("td", { className: "num" + (p.overhead_mib ? " over" : ""), text: p.overhead_mib === null ? "–" : mib(p.overhead_mib) })));
+  if (rows.length === 0) rows.push(el("tr", {}, el("td", { colspan: 5, text: "no process holds memory on this GPU" })));
+  return el("div", { className: "device", "data-gpu": device.index },
+    el("div", { className: "device-head" },
+      el("h3", { text: `GPU ${device.index}${device.name ? ": " + device.name : ""}` }),
+      el("span", { className: "muted", text: `${mib(memory.used)} used of ${mib(memory.total)}, ${mib(memory.free)} free` +
+        (device.utilization_percent === null || device.utilization_percent === undefined ? "" :
+          `, ${device.utilization_percent}% busy`) })),
+    meter,
+    el("div", { className: "table-wrap" }, el("table", { className: "processes" },
+      el("thead", {}, el("tr", {},
+        el("th", { scope: "col", text: "PID" }), el("th", { scope: "col", text: "Process" }),
+        el("th", { scope: "col", className: "num", text: "Used" }), el("th", { scope: "col", className: "num", text: "Cap" }),
+        el("th", { scope: "col", className: "num", text: "Beyond cap" }))),
+      el("tbody", {}, ...rows))));
+}
+
+function processLabel(p) {
+  if (p.owner === "worker") return `worker: ${p.model} v${p.version}`;
+  if (p.owner === "server") return "this server's HTTP process";
+  if (p.owner === "instance") return `fleet instance ${p.instance}`;
+  return "not ours";
+}
+
+function hostTable(gpu, listing) {
+  const rows = [];
+  for (const m of listing.models) {
+    if (m.pid === null || m.pid === undefined) continue;
+    rows.push(el("tr", { "data-pid": m.pid, "data-owner": "worker" },
+      el("td", { text: String(m.pid) }), el("td", { text: `worker: ${m.name} v${m.version}` }),
+      el("td", { className: "num", text: mib(m.memory && m.memory.used_mib) })));
+  }
+  for (const s of listing.spares || []) {
+    rows.push(el("tr", { "data-pid": s.pid, "data-owner": "spare" },
+      el("td", { text: String(s.pid) }), el("td", { text: "spare worker (TensorFlow imported, no model)" }),
+      el("td", { className: "num", text: mib(s.rss_mib) })));
+  }
+  const server = latest("server");
+  rows.push(el("tr", { "data-pid": gpu.pid, "data-owner": "server" },
+    el("td", { text: String(gpu.pid) }), el("td", { text: "this server's HTTP process" }),
+    el("td", { className: "num", text: mib(server) })));
+  return el("div", { className: "table-wrap" }, el("table", { className: "processes" },
+    el("thead", {}, el("tr", {},
+      el("th", { scope: "col", text: "PID" }), el("th", { scope: "col", text: "Process" }),
+      el("th", { scope: "col", className: "num", text: "Resident" }))),
+    el("tbody", {}, ...rows)));
+}
+
+function renderModels(listing) {
+  const rows = listing.models.map((m) => {
+    const memory = m.memory || {};
+    const busy = state.busy.has(m.name);
+    const loaded = m.state === "ready" || m.state === "loading";
+    const action = el("button", { type: "button", "data-model": m.name, "data-action": loaded ? "unload" : "load",
+      disabled: busy || m.state === "loading" || m.state === "unloading",
+      text: loaded ? "Unload" : "Load" });
+    action.setAttribute("aria-label", `${loaded ? "Unload" : "Load"} ${m.name}`);
+    return el("tr", { "data-model": m.name, "data-state": m.state },
+      el("th", { scope: "row", text: m.version ? `${m.name} v${m.version}` : m.name }),
+      el("td", {}, el("span", { className: `state state-${m.state}`, text: m.state }),
+        m.reason ? el("span", { className: "reason", text: m.reason }) : null),
+      el("td", { className: "worker", text: m.pid === null || m.pid === undefined ? "–" : String(m.pid) }),
+      el("td", { className: "num", title: memory.note || "", text: mib(memory.used_mib) }),
+      el("td", { className: "num", text: m.gpu_memory || "–" }),
+      el("td", {}, action));
+  });
+  $("models-body").replaceChildren(...rows);
+}
+
+async function loadOrUnload(name, action) {
+  state.busy.add(name);
+  showError($("memory-error"), "");
+  try {
+    await call("POST", `/v2/repository/models/${encodeURIComponent(name)}/${action}`, "{}", "application/json");
+  } catch (err) {
+    showError($("memory-error"), `${action} ${name}: ${err.message}`);
+  } finally {
+    state.busy.delete(name);
+    poll();
+  }
+}
+
+function renderInstance(gpu) {
+  const fleet = gpu.accounting && gpu.accounting.fleet;
+  $("instance").textContent = gpu.instance ? `instance ${gpu.instance}` : `process ${gpu.pid}`;
+  const members = fleet && fleet.members ? fleet.members.filter((m) => !m.this_instance) : [];
+  $("fleet").hidden = members.length === 0;
+  $("fleet-list").replaceChildren(...members.map((m) => {
+    const url = `${location.protocol}//${location.hostname}:${m.port}/`;
+    return el("li", {}, el("a", { href: url, text: `${m.name} (${m.model}, ${m.state})` }));
+  }));
+}
+
+// The chart: the last minutes of memory per model, the HTTP process and the spares, from /gpu/history.
+
+function mergeHistory(answer) {
+  state.keepS = answer.keep_s;
+  state.offsetS = answer.now_unix - Date.now() / 1000;
+  for (const series of answer.series) {
+    const key = series.kind === "model" ? series.name : series.kind;
+    let held = state.history.get(key);
+    if (!held) {
+      held = { kind: series.kind, name: series.name, samples: [] };
+      state.history.set(key, held);
+    }
+    held.samples.push(...series.samples);
+    const oldest = answer.now_unix - answer.keep_s;
+    while (held.samples.length && held.samples[0][0] < oldest) held.samples.shift();
+    const last = held.samples[held.samples.length - 1];
+    if (last && (state.historySince === null || last[0] > state.historySince)) state.historySince = last[0];
+  }
+}
+
+function latest(key) {
+  const held = state.history.get(key);
+  if (!held || !held.samples.length) return null;
+  return held.samples[held.samples.length - 1][1];
+}
+
+function drawChart() {
+  const canvas = $("chart");
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth;
+  const height = canvas.clientHeight;
+  if (!width || !height) return;
+  canvas.width = Math.round(width * ratio);
+  canvas.height = Math.round(height * ratio);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  const windowS = Number($("window").value);
+  const now = Date.now() / 1000 + state.offsetS;
+  const start = now - windowS;
+  const series = [...state.history.entries()];
+  let top = 0;
+  for (const [, held] of series) {
+    for (const s of held.samples) if (s[0] >= start && s[1] !== null) top = Math.max(top, s[1]);
+  }
+  top = niceCeiling(Math.max(top, 64));
+  const left = 70, right = 10, upper = 10, lower = 24;
+  const plotW = width - left - right, plotH = height - upper - lower;
+  const x = (t) => left + ((t - start) / windowS) * plotW;
+  const y = (v) => upper + plotH - (v / top) * plotH;
+  ctx.font = "12px system-ui, sans-serif";
+  ctx.fillStyle = "#5a6570";
+  ctx.strokeStyle = "#d5dbe1";
+  ctx.lineWidth = 1;
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  for (let i = 0; i <= 4; i++) {
+    const v = (top * i) / 4;
+    ctx.beginPath();
+    ctx.moveTo(left, Math.round(y(v)) + 0.5);
+    ctx.lineTo(width - right, Math.round(y(v)) + 0.5);
+    ctx.stroke();
+    ctx.fillText(mib(v), left - 6, y(v));
+  }
+  ctx.textAlign = "center";
+  ctx.textBaseline = "top";
+  // a label at least every 70 px: 15 s, 30 s, 1, 2 or 5 minutes apart
+  const step = [15, 30, 60, 120, 300].find((s) => (s / windowS) * plotW >= 70) || 300;
+  for (let ago = 0; ago <= windowS; ago += step) {
+    ctx.fillText(ago === 0 ? "now" : `-${ago >= 60 ? ago / 60 + " min" : ago + " s"}`, x(now - ago), upper + plotH + 6);
+  }
+  ctx.lineWidth = 2;
+  ctx.lineJoin = "round";
+  for (const [key, held] of series) {
+    ctx.strokeStyle = colourOf(key);
+    ctx.beginPath();
+    let drawing = false;
+    let previous = null;
+    for (const s of held.samples) {
+      if (s[0] < start - 2 || s[1] === null) { drawing = false; continue; }
+      if (!drawing) ctx.moveTo(x(s[0]), y(s[1]));
+      else ctx.lineTo(x(s[0]), y(previous));  // memory is a step: it holds until the next sample
+      ctx.lineTo(x(s[0]), y(s[1]));
+      previous = s[1];
+      drawing = true;
+    }
+    ctx.stroke();
+  }
+  $("legend").replaceChildren(...series.map(([key, held]) => {
+    const swatch = el("span", { className: "swatch" });
+    swatch.style.background = colourOf(key);
+    const last = held.samples[held.samples.length - 1];
+    const label = held.kind === "model" ? key : key === "server" ? "HTTP process" : "spare workers";
+    const source = last ? (last[2] === "nvml" ? "GPU" : "resident") : "";
+    return el("li", { "data-series": key }, swatch, `${label}: ${mib(last ? last[1] : null)} ${source}` +
+      (held.kind === "model" && last ? ` (${last[3]})` : ""));
+  }));
+}
+
+function niceCeiling(value) {
+  const power = 10 ** Math.floor(Math.log10(value));
+  for (const m of [1, 2, 2.5, 5, 10]) if (m * power >= value) return m * power;
+  return 10 * power;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The loop
+
+let polling = false;
+
+async function poll() {
+  if (polling) return;
+  polling = true;
+  try {
+    const since = state.historySince === null ? "" : `?since=${state.historySince}`;
+    const [listing, gpu, history] = await Promise.all([
+      call("GET", "/models"), call("GET", "/gpu"), call("GET", `/gpu/history${since}`)]);
+    state.models = listing.models;
+    mergeHistory(history);
+    fillModels(listing);
+    renderModels(listing);
+    renderDevices(gpu, listing);
+    renderInstance(gpu);
+    drawChart();
+    showError($("memory-error"), "");
+    document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
+  } catch (err) {
+    showError($("memory-error"), `The memory panel could not update: ${err.message || err}`);
+  } finally {
+    polling = false;
+  }
+}
+
+function start() {
+  wireTryPanel();
+  $("models-body").addEventListener("click", (event) => {
+    const button = event.target.closest("button[data-action]");
+    if (button) loadOrUnload(button.dataset.model, button.dataset.action);
+  });
+  $("window").addEventListener("change", drawChart);
+  window.addEventListener("resize", drawChart);
+  poll();
+  setInterval(() => { if (!document.hidden) poll(); }, POLL_MS);
+}
+
+start();
