@@ -282,7 +282,7 @@ def test_the_memory_panel_shows_a_worker_go_on_unload_and_come_back_on_load(watc
     row.get_by_role("button", name="Unload shapes").click()
     page.wait_for_selector('#models-body tr[data-model="shapes"][data-state="unloaded"]', timeout=30_000)
     assert page.locator(f'#devices tr[data-pid="{pid}"]').count() == 0
-    assert not os.path.exists(f"/proc/{pid}")  # the worker is gone, not only its row
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the worker's exit")  # gone, not only its row
     assert page.locator('#models-body tr[data-model="faces"][data-state="ready"]').count() == 1
     # the server's history saw it: the shapes series ends in an unloaded sample holding nothing
     history = json.loads(page.evaluate("fetch('/gpu/history').then((r) => r.text())"))
