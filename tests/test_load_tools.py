@@ -55,6 +55,22 @@ def test_bench_smoke_writes_json_and_plot_with_error_free_steps(blob_model_dir, 
     assert result["machine"]["load_average_start"]
 
 
+def test_ab_drives_two_checkouts_in_turn_and_counts_each_ones_process_tree(blob_model_dir, tmp_path):
+    out = tmp_path / "ab.json"
+    done = run_tool("ab", "--a", str(ROOT), "--b", str(ROOT), "--model", str(blob_model_dir), "--connections", "2",
+                    "--pairs", "2", "--duration", "1", "--out", str(out))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    (pairs,) = [step["pairs"] for step in result["steps"].values()]
+    assert [p["order"] for p in pairs] == ["ab", "ba"]  # ABBA: neither checkout always goes first
+    for pair in pairs:
+        for side in ("a", "b"):
+            assert pair[side]["errors"] == 0 and pair[side]["images_per_s"] > 0 and pair[side]["p50_ms"] > 0
+            assert pair[side]["cpu_ms_per_image"] > 0  # the HTTP process and its worker, from /proc
+        assert pair["b_over_a"] == round(pair["b"]["images_per_s"] / pair["a"]["images_per_s"], 3)
+    assert "b/a median" in done.stdout
+
+
 def test_overload_answers_only_200_or_503_without_connection_failures(tmp_path):
     """On the faces model inference is the bottleneck, so 4x load really fills the queue.
 
