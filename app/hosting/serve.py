@@ -256,7 +256,8 @@ def run(server: Server) -> int:
     address = port.getHost()
     server.lifecycle.listening(address.host, address.port)
     log.info("listening on %s://%s:%d (models %s; default %s)", "http" if tls is None else "https", address.host,
-             address.port, ", ".join(server.registry.names()), _default_name(server.registry))
+             address.port, ", ".join(server.registry.names()),
+             server.registry.default_name() or "none (set default_model)")
     _log_access(settings)
     if not settings.decode_at_model_size:
         log.info("decoding images at full size (decode_at_model_size is off)")
@@ -291,13 +292,6 @@ def run(server: Server) -> int:
     reactor.run()
     server.lifecycle.stopped()
     return _finish(server)
-
-
-def _default_name(registry) -> str:
-    try:
-        return registry.default().name
-    except DetectError:
-        return "none (set default_model)"
 
 
 def _finish(server: Server) -> int:

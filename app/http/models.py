@@ -11,7 +11,7 @@ import json
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ..errors import BadRequest, DetectError
+from ..errors import BadRequest
 from .app import service
 
 routes = Blueprint("models", __name__)
@@ -24,15 +24,7 @@ _INDEX_STATES = {"ready": "READY", "loading": "LOADING", "unloading": "UNLOADING
 @routes.get("/models")
 def list_models():
     models = service().models
-    return jsonify({"models": models.describe(), "spares": models.spares(), "default_model": _default_name(models)})
-
-
-def _default_name(models):
-    """The model POST /detect serves, or None where there is none (several models, no default_model)."""
-    try:
-        return models.default().name
-    except DetectError:
-        return None
+    return jsonify({"models": models.describe(), "spares": models.spares(), "default_model": models.default_name()})
 
 
 @routes.get("/models/<name>")

@@ -599,6 +599,13 @@ class ModelRegistry:
             f"no default model: the repository holds {', '.join(self.names())}; set default_model, or POST "
             "/models/<name>/detect")
 
+    def default_name(self) -> Optional[str]:
+        """The name of the model POST /detect serves, or None where there is none (several, no default_model)."""
+        try:
+            return self.default().name
+        except DetectError:
+            return None
+
     # Load and unload by request --------------------------------------------------------------------
 
     def load(self, name: str) -> ServedModel:
