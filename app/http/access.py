@@ -24,12 +24,12 @@ MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH = (
 GROUPS = (MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH)
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")  # an HTTP token
 
-# Paths by group; whatever matches none is metadata (the page, /models, /gpu, model metadata, /openapi.json).
+# Paths by group, after the inference routes (paths.inference_target: /detect, /models/<name>/detect, v2 infer,
+# v1 predict); whatever matches none is metadata (the page, /models, /gpu, model metadata, /openapi.json).
 _GROUP_PATTERNS = (
     (MODEL_REPOSITORY, re.compile(r"^/v2/repository(/|$)")),
     (STATISTICS, re.compile(r"^/metrics$")),
     (HEALTH, re.compile(r"^/(healthz|readyz)$|^/v2/health/(live|ready)$|^/v2/models/[^/]+(/versions/[^/]+)?/ready$")),
-    (INFERENCE, re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/infer$|^/v1/models/[^/]+(/versions/[^/]+)?:predict$")),
 )
 
 
