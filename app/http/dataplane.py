@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from flask import g
 
 from ..errors import DetectError, ImageTooLarge, InferenceFailed, InvalidBody, VersionNotFound
 from ..inference.detections import ModelOutputs
 from ..inference.images import DecodedImage, decode_image
+from .app import service
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,14 @@ def served_version(model) -> Optional[str]:
         return model.version.version
     latest = model.source.latest()
     return latest.version if latest is not None else None
+
+
+def requested_model(name: str, version: Optional[str]):
+    """The model a protocol route names (404 for an unknown name, or for a version it does not serve)."""
+    model = service().models.get(name)
+    g.model = model.name  # for the request metrics
+    check_version(model, version)
+    return model
 
 
 def check_version(model, version: Optional[str]) -> None:

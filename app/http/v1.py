@@ -19,7 +19,7 @@ from ..inference.detections import stack_outputs
 from .app import service
 from .bodies import inflate
 from .dataplane import (
-    check_image_count, check_version, decode_files, run_images, served_version, signature_of, tensor_images,
+    check_image_count, decode_files, requested_model, run_images, served_version, signature_of, tensor_images,
 )
 from .v1_codec import parse_predict, write_predictions
 
@@ -47,7 +47,7 @@ def model_status(name: str, version: Optional[str] = None):
 @routes.get("/v1/models/<name>/versions/<version>/metadata")
 def model_metadata(name: str, version: Optional[str] = None):
     """The signature_def map, as TF Serving shows it; a model never loaded is loaded first (within the deadline)."""
-    model = _model(name, version)
+    model = requested_model(name, version)
     signature_of(model, time.monotonic() + service().settings.request_deadline_s)
     return jsonify({
         "model_spec": {"name": model.name, "signature_name": "", "version": served_version(model)},
@@ -59,7 +59,7 @@ def model_metadata(name: str, version: Optional[str] = None):
 @routes.post("/v1/models/<name>/versions/<version>:predict")
 def predict(name: str, version: Optional[str] = None):
     settings = service().settings
-    model = _model(name, version)
+    model = requested_model(name, version)
     deadline = time.monotonic() + settings.request_deadline_s
     body = inflate(request.get_data(cache=False), request.headers.get("Content-Encoding"), settings.max_body_bytes)
     signature = signature_of(model, deadline)
@@ -100,11 +100,4 @@ def version_statuses(described: dict) -> list[dict]:
 def _status(version: str, state: str, error: Optional[str]) -> dict:
     return {"version": version, "state": state,
             "status": {"error_code": "UNKNOWN" if error else "OK", "error_message": error or ""}}
-
-
-def _model(name: str, version: Optional[str]):
-    model = service().models.get(name)
-    g.model = model.name
-    check_version(model, version)
-    return model
 

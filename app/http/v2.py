@@ -24,14 +24,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from flask import Blueprint, Response, g, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
 from ..errors import BadRequest, InvalidBody, InvalidParameter
 from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT, stack_outputs, to_detections
 from ..inference.images import DecodedImage
 from .app import SERVER_NAME, server_version, service
 from .bodies import decode_base64, inflate
-from .dataplane import check_version, encoded_images, run_images, served_version, signature_of, tensor_images
+from .dataplane import encoded_images, requested_model, run_images, served_version, signature_of, tensor_images
 from .v2_codec import HEADER_LENGTH, InferRequest, Tensor, parse_infer_request, write_infer_response
 
 routes = Blueprint("v2", __name__)
@@ -67,7 +67,7 @@ def ready():
 @routes.get("/v2/models/<name>/versions/<version>")
 def model_metadata(name: str, version: Optional[str] = None):
     """The signature as the model declares it; a model never loaded is loaded first (within the deadline)."""
-    model = _model(name, version)
+    model = requested_model(name, version)
     signature = signature_of(model, time.monotonic() + service().settings.request_deadline_s)
     return jsonify(describe(model, signature))
 
@@ -76,7 +76,7 @@ def model_metadata(name: str, version: Optional[str] = None):
 @routes.get("/v2/models/<name>/versions/<version>/ready")
 def model_ready(name: str, version: Optional[str] = None):
     """200 while the model is loaded and ready; 400 while it is unloaded, loading, unloading or failed."""
-    model = _model(name, version)
+    model = requested_model(name, version)
     return _empty(200 if model.state == "ready" else 400)
 
 
@@ -84,7 +84,7 @@ def model_ready(name: str, version: Optional[str] = None):
 @routes.post("/v2/models/<name>/versions/<version>/infer")
 def infer(name: str, version: Optional[str] = None):
     settings = service().settings
-    model = _model(name, version)
+    model = requested_model(name, version)
     body = inflate(request.get_data(cache=False), request.headers.get("Content-Encoding"), settings.max_body_bytes)
     parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
     options = _options(parsed.parameters, settings)
@@ -131,13 +131,6 @@ def describe(model, signature: dict) -> dict:
                                               "threshold and max_detections"}],
         },
     }
-
-
-def _model(name: str, version: Optional[str]):
-    model = service().models.get(name)  # 404 for an unknown name
-    g.model = model.name
-    check_version(model, version)
-    return model
 
 
 def _empty(status: int) -> Response:
