@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import loadgen  # noqa: E402  (scripts/ is not a package)
+from bench import ServerProcess, make_images  # noqa: E402
 
 
 def free_port() -> int:
@@ -39,14 +40,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(checkout: Path, model: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    """Start `python -m app serve` in `checkout` on `model` alone; return it and its port once /readyz is 200."""
+def start(checkout: Path, model: Path, log: Path) -> ServerProcess:
+    """Start `python -m app serve` in `checkout` on `model` alone; return it once /readyz answers 200.
+
+    Readiness is polled over HTTP, not read from the notify descriptor that ServerProcess.start uses, since
+    a checkout from before that descriptor existed must start too.
+    """
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env.update(DETECT_PORT=str(port), DETECT_MODEL=str(model), TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(checkout))
     with log.open("wb") as handle:
         process = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=checkout, env=env,
                                    stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = ServerProcess(process, port, log)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -54,34 +60,19 @@ def start(checkout: Path, model: Path, log: Path) -> tuple[subprocess.Popen, int
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
                 if answer.status == 200:
-                    return process, port
+                    return server
         except OSError:
             pass
         time.sleep(0.5)
-    process.kill()
+    server.stop()
     raise SystemExit(f"the server in {checkout} was not ready in 300 s; see {log}")
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of `pid` and its children, from /proc."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(entry.name) == pid or int(fields[1]) == pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
-
-
-def step(port: int, pid: int, images: Path, connections: int, duration_s: float, out: Path) -> dict:
-    before = tree_cpu_s(pid)
-    summary = loadgen.collect(loadgen.spawn(port, images, out, connections, duration_s), out, duration_s + 120)
-    cpu = tree_cpu_s(pid) - before
+def step(server: ServerProcess, images: Path, connections: int, duration_s: float, out: Path) -> dict:
+    before = server.stats()["cpu_s"]  # the HTTP process and its workers, from /proc
+    summary = loadgen.collect(loadgen.spawn(server.port, images, out, connections, duration_s), out,
+                              duration_s + 120)
+    cpu = server.stats()["cpu_s"] - before
     answered = summary["requests"] - summary["error_total"]
     return {"images_per_s": summary["ok_per_s"], "errors": summary["error_total"],
             "p50_ms": summary["latency_ms"]["p50"],
@@ -98,8 +89,6 @@ def main(argv=None) -> int:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per step")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "ab.json")
     args = parser.parse_args(argv)
-    from bench import make_images
-
     counts = [int(c) for c in args.connections.split(",") if c.strip()]
     with tempfile.TemporaryDirectory() as scratch_text:
         scratch = Path(scratch_text)
@@ -108,9 +97,9 @@ def main(argv=None) -> int:
         try:
             for name, checkout in (("a", args.a), ("b", args.b)):
                 servers[name] = start(checkout.resolve(), args.model.resolve(), scratch / f"server-{name}.log")
-                print(f"{name}: {checkout} on port {servers[name][1]}", flush=True)
-            for name, (process, port) in servers.items():  # warm both: first calls are slow
-                step(port, process.pid, images, 4, 3, scratch / "warm.json")
+                print(f"{name}: {checkout} on port {servers[name].port}", flush=True)
+            for server in servers.values():  # warm both: first calls are slow
+                step(server, images, 4, 3, scratch / "warm.json")
             result = {"a": str(args.a), "b": str(args.b), "model": str(args.model), "duration_s": args.duration,
                       "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "steps": {}}
             for connections in counts:
@@ -119,8 +108,7 @@ def main(argv=None) -> int:
                     order = ("a", "b") if pair % 2 == 0 else ("b", "a")
                     figures = {}
                     for name in order:
-                        process, port = servers[name]
-                        figures[name] = step(port, process.pid, images, connections, args.duration,
+                        figures[name] = step(servers[name], images, connections, args.duration,
                                              scratch / "step.json")
                     ratio = round(figures["b"]["images_per_s"] / figures["a"]["images_per_s"], 3)
                     rows.append({"order": "".join(order), **figures, "b_over_a": ratio})
@@ -134,13 +122,8 @@ def main(argv=None) -> int:
                 print(f"{connections:>4} connections: b/a median {statistics.median(ratios):.3f} "
                       f"(from {min(ratios):.3f} to {max(ratios):.3f})", flush=True)
         finally:
-            for process, _ in servers.values():
-                process.terminate()
-            for process, _ in servers.values():
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            for server in servers.values():
+                server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -14,15 +14,16 @@ import argparse
 import io
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench import ServerProcess  # noqa: E402  (scripts/ is not a package)
+
 CHROMIUM = os.environ.get("DETECT_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 
@@ -35,20 +36,15 @@ def main() -> int:
     from PIL import Image
     from playwright.sync_api import sync_playwright
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    env.update(DETECT_PORT=str(port), DETECT_MODEL_REPOSITORY=str(ROOT / "models"), TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryDirectory() as scratch:
         photo = Path(scratch) / "astronaut.jpg"
         buffer = io.BytesIO()
         Image.fromarray(skimage.data.astronaut()).save(buffer, "JPEG", quality=95)
         photo.write_bytes(buffer.getvalue())
-        server = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=ROOT, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the shipped settings, as scripts/run serves them: models/ with its per-model caps
+        server = ServerProcess.start(ROOT / "config" / "default.toml", Path(scratch) / "server.log")
+        port = server.port
         try:
-            _wait_ready(port)
             print(f"serving on port {port}; opening the page", flush=True)
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(
@@ -76,23 +72,9 @@ def main() -> int:
                 page.screenshot(path=str(args.out), full_page=True)
                 browser.close()
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
     print(f"wrote {args.out}")
     return 0
-
-
-def _wait_ready(port: int, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the service did not become ready on port {port} in {timeout_s:.0f} s")
 
 
 if __name__ == "__main__":
