@@ -89,7 +89,7 @@ def app_factory(blob_registry):
     """Build a Flask app around real collaborators; keyword arguments override settings."""
     from app.gpu.report import GpuReport
     from app.hosting.lifecycle import Lifecycle
-    from app.http import create_app
+    from app.http.app import create_app
     from app.settings import Settings
 
     def make(models=None, lifecycle=None, **overrides):

@@ -149,6 +149,19 @@ def test_dry_run_prints_the_plan_and_exits_0_when_it_fits_2_when_not():
     assert "the plan needs 7144 MiB" in over.stderr and "6000 MiB are available" in over.stderr
 
 
+def test_the_fleet_plans_where_flask_is_not_installed():
+    """Reading settings (restricted_api among them) imports no Flask: a GPU host without the HTTP stack can plan.
+
+    The first run of scripts/gpu-check on a real GPU (an H200 without Flask) found the dry run failing here.
+    """
+    script = ("import runpy, sys; sys.modules['flask'] = None; sys.argv[0] = 'app'; "
+              "runpy.run_module('app', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", script, "fleet", "--config", "config/fleet.toml", "--dry-run",
+                             "--gpu-total-mib", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "-> fits" in result.stdout and "Traceback" not in result.stderr
+
+
 def test_a_bad_fleet_file_exits_2_before_starting_anything(tmp_path):
     path = tmp_path / "f.toml"
     path.write_text('[[instance]]\nname = "a"\nmodel = "m"\nport = 1\ngpu_memory = "lots"\n')

@@ -14,6 +14,7 @@ shutdown_grace_s), the port closes, every worker is stopped, exit 0.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -51,6 +52,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    # It maps the lanes' shared memory: a crash prints every thread's stack to the log, not silence.
+    faulthandler.enable()
     try:
         return serve(settings, config)
     except (ConfigError, ModelError, PolicyError) as exc:
@@ -95,7 +98,7 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     from ..gpu.budget import inventory
     from ..gpu.report import GpuReport
     from ..gpu.setup import open_nvml
-    from ..http import create_app
+    from ..http.app import create_app
     from ..metrics import ServiceMetrics
     from ..models.registry import ModelRegistry
     from ..models.repository import ModelRepository

@@ -1,5 +1,5 @@
-"""The HTTP layer: a Flask app whose routes parse, call the model registry, and serialize."""
+"""The HTTP layer: a Flask app (`app.http.app.create_app`) whose routes parse, call the model registry, and serialize.
 
-from .app import create_app
-
-__all__ = ["create_app"]
+Importing this package imports no Flask: the settings parse access rules from `app.http.access`, and the
+fleet and the GPU check read settings where the HTTP stack is not installed.
+"""

@@ -9,6 +9,12 @@ Pixels never travel on a socket. Each lane has a SharedBuffer, a memfd that the 
 batch into (the one copy, which stacking needs anyway) and the worker reads in place. A memfd is
 anonymous memory: it needs no /dev/shm (64 MiB in a default Docker container), leaves no file behind,
 and is freed when both processes have closed it.
+
+The lifetime of a mapping: a SharedBuffer never unmaps explicitly. Every array it hands out holds the
+mapping (numpy keeps the mmap object as the array's base), so the mapping goes when the buffer has let
+go of it and the last array over it is gone, never under a thread still copying into it. Closing the
+buffer closes its descriptor only, which no mapping needs. Only the file's size can still hurt a reader
+(SIGBUS past its end): the writer changes it only between calls, and the reader checks it first.
 """
 
 from __future__ import annotations
@@ -115,19 +121,26 @@ class Channel:
             got += count
 
     def close(self) -> None:
+        """Close the socket; called by the thread that receives on it, once no send can be under way.
+
+        The send lock is held so that no sender is between reading the descriptor's number and using
+        it: a number closed under it could already name another file.
+        """
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._sock.close()
+        with self._send_lock:
+            self._sock.close()
 
 
 class SharedBuffer:
     """A growable block of shared memory (a memfd) holding one batch at a time.
 
     The HTTP process creates it and writes batches; the worker maps the same descriptor and reads them.
-    One lane uses it at a time, so it needs no lock. `nbytes` is the file's size, which only the
-    writer changes; each side maps as much as it has needed so far.
+    One lane uses it at a time, and a lane belongs to one thread at a time (the one that took it), so it
+    needs no lock. `nbytes` is the file's size, which only the writer changes, between calls; each side
+    maps as much as it has needed so far.
     """
 
     def __init__(self, name: str, fd: Optional[int] = None):
@@ -136,40 +149,43 @@ class SharedBuffer:
         self.nbytes = os.fstat(self.fd).st_size
 
     def array(self, shape: Sequence[int], dtype=np.uint8, grow: bool = False) -> np.ndarray:
-        """Return an array of `shape` over the buffer; the writer passes grow=True to make room first."""
+        """Return an array of `shape` over the buffer; the writer passes grow=True to make room first.
+
+        The reader gets BufferTooSmall, not SIGBUS, when the file is smaller than `shape` needs.
+        """
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if grow and size > self.nbytes:
             self.nbytes = _round_up(size)
             os.ftruncate(self.fd, self.nbytes)
+        elif not grow:
+            self.nbytes = os.fstat(self.fd).st_size
+            if size > self.nbytes:
+                raise BufferTooSmall(f"a batch of {size} bytes does not fit the lane's {self.nbytes}-byte buffer")
         if self._map is None or len(self._map) < size:
-            self._unmap()
             self._map = mmap.mmap(self.fd, max(_round_up(size), self.nbytes if grow else 0) or PAGE)
         return np.ndarray(tuple(shape), dtype=dtype, buffer=self._map)
 
     def shrink(self, keep_bytes: int) -> None:
         """Give the memory of a large batch back, keeping at most `keep_bytes` (the writer, between calls)."""
         if self.nbytes > keep_bytes:
-            self._unmap()
+            self._map = None
             self.nbytes = 0
             try:
                 os.ftruncate(self.fd, 0)
             except OSError:  # closed with its worker
                 pass
 
-    def _unmap(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # an array over it is still alive; the mapping goes with it
-                pass
-            self._map = None
-
     def close(self) -> None:
-        self._unmap()
+        """Close the descriptor; the mapping stays while an array over it lives (the module's docstring)."""
+        self._map = None
         try:
             os.close(self.fd)
         except OSError:
             pass
+
+
+class BufferTooSmall(ValueError):
+    """A lane's message asks for more bytes than its shared buffer holds."""
 
 
 def _round_up(size: int, step: int = 1 << 20) -> int:

@@ -14,6 +14,7 @@ process goes away, the channel closes and the worker exits: no orphan keeps GPU 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import socket
@@ -91,8 +92,7 @@ class ModelWorker:
         self._calls.out_of_memory = getattr(self._calls, "out_of_memory", 0) + 1
 
     def _serve_lane(self, lane, buffer) -> None:
-        from ..errors import DetectError
-        from ..inference.detections import stack_outputs
+        """Answer the model calls of one lane, each exactly once, until the HTTP process closes it."""
         from .channel import ChannelClosed
 
         while True:
@@ -102,18 +102,35 @@ class ModelWorker:
                 return
             started = time.perf_counter()
             self._calls.out_of_memory = 0
-            batch = buffer.array(header["shape"])
-            results = self.detector.run_batch(batch)
-            errors = [{"code": r.code, "message": r.message} if isinstance(r, DetectError) else None
-                      for r in results]
-            good = [r for r in results if not isinstance(r, DetectError)]
-            outputs = stack_outputs(good)
-            del batch
+            errors, outputs = self._run_call(buffer, header["shape"])
             try:
                 lane.send({"errors": errors, "seconds": time.perf_counter() - started,
                            "out_of_memory": self._calls.out_of_memory}, outputs)
             except ChannelClosed:
                 return
+
+    def _run_call(self, buffer, shape: list) -> tuple[list, dict]:
+        """Run the batch in the lane's buffer; return per-image errors (None where it worked) and outputs.
+
+        Whatever goes wrong is answered as every image's error: a call left unanswered would hold its
+        request until the deadline.
+        """
+        from ..errors import DetectError
+        from ..inference.detections import stack_outputs
+        from .channel import BufferTooSmall
+
+        try:
+            batch = buffer.array(shape)
+            results = self.detector.run_batch(batch)
+            del batch
+        except BufferTooSmall as exc:
+            log.error("a model call did not fit its lane: %s", exc)
+            return [{"code": "inference_failed", "message": "the batch did not reach the model whole"}] * shape[0], {}
+        except Exception as exc:  # run_batch isolates the model's own failures; this is anything else
+            log.exception("a model call failed")
+            return [{"code": "inference_failed", "message": f"the model call failed: {type(exc).__name__}"}] * shape[0], {}
+        errors = [{"code": r.code, "message": r.message} if isinstance(r, DetectError) else None for r in results]
+        return errors, stack_outputs([r for r in results if not isinstance(r, DetectError)])
 
 
 PR_SET_NO_NEW_PRIVS = 38  # linux/prctl.h
@@ -161,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ..supervision import BOOT_ERROR
     from .channel import Channel, ChannelClosed
 
+    # It maps the lanes' shared memory and runs native code: a crash prints every thread's stack.
+    faulthandler.enable()
     drop_privileges()
     control = Channel(socket.socket(fileno=args.channel_fd))
     started = time.perf_counter()

@@ -8,12 +8,16 @@ control channel (never from its log), reaps it, and stops them all at shutdown.
 A WorkerProcess is one of them as seen from here: its control channel (spare, loaded, load_failed,
 stats), and once loaded its lanes, each a socket and a shared-memory buffer that one model call at a
 time uses. The model registry decides what each worker serves and what an exit means.
+
+A lane belongs to the thread that took it until it gives it back, and only that thread writes into it,
+reads from it or closes it. When the worker exits, the free lanes are closed at once and each lane in
+use is closed by its holder as it gives it back: an exit never pulls a buffer or a socket from under a
+model call (a call copying pixels into a buffer unmapped under it took the whole server down).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import subprocess
 import sys
 import threading
@@ -43,6 +47,11 @@ class _Lane:
     channel: Channel
     buffer: SharedBuffer
 
+    def close(self) -> None:
+        """Close both ends on this side (only the lane's holder, or anyone once nobody holds it)."""
+        self.channel.close()
+        self.buffer.close()
+
 
 class WorkerProcess:
     """One worker process; its methods are thread-safe, and its reader thread reports its exit."""
@@ -61,8 +70,8 @@ class WorkerProcess:
         self.expected_exit = False  # set when this side asked it to end
         self._on_exit = on_exit
         self._lock = threading.Condition()
-        self._lanes: "queue.SimpleQueue[_Lane]" = queue.SimpleQueue()
-        self._all_lanes: list[_Lane] = []
+        self._free_lanes: list[_Lane] = []  # lanes no call holds; the others are their holders'
+        self._lanes_closed = False  # set once it has exited: no lane is handed out again
         self._calls = 0
         self._closing = False
         self._load: Optional[Future] = None
@@ -124,15 +133,22 @@ class WorkerProcess:
         loaded (the worker then exits with BOOT_ERROR), WorkerLost if the worker dies.
         """
         self.model = model
-        self._load = Future()
-        theirs = []
+        mine, theirs = [], []
         for i in range(lanes):
             channel, other = Channel.pair()
-            buffer = SharedBuffer(f"detect-{model.name}-{model.version}-{i}")
-            self._all_lanes.append(_Lane(channel, buffer))
-            self._lanes.put(self._all_lanes[-1])
+            mine.append(_Lane(channel, SharedBuffer(f"detect-{model.name}-{model.version}-{i}")))
             theirs.append(other)
-        fds = [fd for other, lane in zip(theirs, self._all_lanes) for fd in (other.fileno(), lane.buffer.fd)]
+        fds = [fd for other, lane in zip(theirs, mine) for fd in (other.fileno(), lane.buffer.fd)]
+        with self._lock:
+            gone = self.exit_code is not None
+            if not gone:  # else the reader has already failed the futures it saw: fail this one here
+                self._load = Future()
+                self._free_lanes.extend(mine)
+        if gone:
+            for lane, other in zip(mine, theirs):
+                lane.close()
+                other.close()
+            raise WorkerLost(f"{self.describe()} {describe_exit(self.exit_code)} before it was given the model")
         try:
             self.control.send({"op": "load", "model": {"name": model.name, "version": model.version,
                                                        "path": str(model.path), **settings}}, fds=fds)
@@ -178,24 +194,20 @@ class WorkerProcess:
             if not self.alive:
                 raise WorkerLost(f"{self.describe()} is not taking calls")
             self._calls += 1
-        lane = self._lanes.get()
         try:
-            shape = (len(images), *images[0].shape)
-            batch = lane.buffer.array(shape, grow=True)
-            if len(images) == 1:
-                batch[0] = images[0]
-            else:
-                np.stack(images, out=batch)
-            del batch
-            lane.channel.send({"op": "run", "shape": list(shape)})
-            header, arrays, _ = lane.channel.receive()
-        except ChannelClosed as exc:
-            # A broken lane leaves the worker unusable; end it so that a successor takes over.
-            self.kill(expected=False)
-            raise WorkerLost(f"{self.describe()} went away during a model call ({exc})") from None
+            lane = self._take_lane()
+            try:
+                shape = _fill(lane.buffer, images)
+            except BaseException:  # nothing was sent: the lane is as it was
+                self._give_back(lane, broken=False)
+                raise
+            try:
+                header, arrays = self._exchange(lane, shape)
+            except BaseException:
+                self._give_back(lane, broken=True)
+                raise
+            self._give_back(lane, broken=False)
         finally:
-            lane.buffer.shrink(LANE_KEEP_BYTES)
-            self._lanes.put(lane)
             with self._lock:
                 self._calls -= 1
                 self._lock.notify_all()
@@ -204,6 +216,47 @@ class WorkerProcess:
         good = iter(unstack_outputs(arrays))
         return [next(good) if error is None else _ERRORS.get(error["code"], InferenceFailed)(error["message"])
                 for error in header["errors"]]
+
+    def _exchange(self, lane: _Lane, shape: tuple) -> tuple[dict, dict]:
+        """Ask the worker to run the batch in the lane's buffer and read its answer.
+
+        A lane that broke or fell out of step leaves the worker unusable: end it, so that a successor
+        takes over, and raise WorkerLost.
+        """
+        try:
+            lane.channel.send({"op": "run", "shape": list(shape)})
+            header, arrays, _ = lane.channel.receive()
+            return header, arrays
+        except ChannelClosed as exc:
+            self.kill(expected=False)
+            raise WorkerLost(f"{self.describe()} went away during a model call ({exc})") from None
+        except (ValueError, KeyError) as exc:  # a message that is not the channel's format
+            self.kill(expected=False)
+            raise WorkerLost(f"{self.describe()} sent an unreadable answer ({exc}); it was ended") from None
+
+    def _take_lane(self) -> _Lane:
+        """Take a free lane, waiting for one; raise WorkerLost once the worker has exited."""
+        with self._lock:
+            while not self._free_lanes:
+                if self._lanes_closed or self.exit_code is not None:
+                    raise WorkerLost(f"{self.describe()} went away before the call had a lane")
+                self._lock.wait()
+            return self._free_lanes.pop()
+
+    def _give_back(self, lane: _Lane, broken: bool) -> None:
+        """Return a lane after a call (its holder); close it instead if it broke or the worker has exited.
+
+        A broken lane is not shrunk: a worker on its way out may still be reading it.
+        """
+        if not broken:
+            lane.buffer.shrink(LANE_KEEP_BYTES)
+        with self._lock:
+            keep = not broken and not self._lanes_closed
+            if keep:
+                self._free_lanes.append(lane)
+                self._lock.notify_all()
+        if not keep:
+            lane.close()
 
     # Ending ----------------------------------------------------------------------------------------
 
@@ -256,14 +309,28 @@ class WorkerProcess:
         return True
 
     def close_lanes(self) -> None:
-        for lane in self._all_lanes:
-            lane.channel.close()
-            lane.buffer.close()
-        self._all_lanes = []
+        """Close the free lanes now and have the holders of the others close theirs (once it has exited)."""
+        with self._lock:
+            self._lanes_closed = True
+            free, self._free_lanes = self._free_lanes, []
+            self._lock.notify_all()  # calls waiting for a lane fail with WorkerLost
+        for lane in free:
+            lane.close()
 
     def rss_mib(self) -> Optional[float]:
         """Return its resident memory (host RAM) in MiB, from /proc; None once it has exited."""
         return rss_mib(self.pid)
+
+
+def _fill(buffer: SharedBuffer, images: Sequence[np.ndarray]) -> tuple:
+    """Stack same-shaped images into a lane's buffer (the one copy); return the batch's shape."""
+    shape = (len(images), *images[0].shape)
+    batch = buffer.array(shape, grow=True)
+    if len(images) == 1:
+        batch[0] = images[0]
+    else:
+        np.stack(images, out=batch)
+    return shape
 
 
 def rss_mib(pid: int) -> Optional[float]:
