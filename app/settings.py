@@ -305,6 +305,22 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def default_text(name: str) -> str:
+    """Return a setting's default as it would be written in the TOML file or a flag, e.g. 4096MiB, 20MiB, true."""
+    value = getattr(Settings(), name)
+    if value is None:
+        return '""'
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value) or '""'
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return value or '""'
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"{value // 2**20}MiB"
+    return str(value)
+
+
 def setting_fields() -> list[dataclasses.Field]:
     """Return the settings a flag, a DETECT_* variable or a top-level TOML key can set."""
     return [f for f in dataclasses.fields(Settings) if "parse" in f.metadata]
