@@ -96,3 +96,12 @@ def test_missing_from_config_finds_a_setting_the_file_leaves_out():
     text = (ROOT / "config" / "default.toml").read_text().replace("\nmax_queue =", "\nmax_queue_typo =")
     assert missing_from_config(text) == ["max_queue"]
 
+
+def test_the_settings_reference_is_the_generated_table():
+    """docs/reference/settings.md includes the table the hook renders from app/settings.py, nothing hand-written."""
+    page = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    assert "<!-- generated: settings table -->" in page
+    assert "| `host` |" not in page, "the table is generated at build time; do not paste it into the page"
+    table = settings_table()
+    for f in setting_fields():
+        assert f"| `{f.name}` | `{env_name(f.name)}` | `{flag_name(f.name)}` |" in table
