@@ -105,3 +105,12 @@ def test_the_settings_reference_is_the_generated_table():
     table = settings_table()
     for f in setting_fields():
         assert f"| `{f.name}` | `{env_name(f.name)}` | `{flag_name(f.name)}` |" in table
+
+
+@pytest.mark.parametrize("page, command", [("docs/how-to/fleet.md", "fleet"), ("docs/how-to/calibrate.md", "calibrate")])
+def test_a_how_to_flag_table_lists_exactly_the_flags_its_command_has(page, command):
+    """The how-to guides explain each flag at more length than --help; they must name the same flags."""
+    table = set(re.findall(r"^\| `(--[a-z-]+)", (ROOT / page).read_text(), re.MULTILINE))
+    flags = {option for action in parser_of(command)._actions for option in action.option_strings
+             if option.startswith("--") and option != "--help"}
+    assert table == flags, f"{page}: missing {sorted(flags - table)}, not flags {sorted(table - flags)}"

@@ -194,6 +194,9 @@ def test_the_built_pages_fetch_nothing_from_elsewhere(site):
         html = page.read_text()
         assert not external.search(html), f"{page.relative_to(site)}: {external.search(html).group(0)}"
         assert "fonts.googleapis" not in html and "googletagmanager" not in html, page
+        # Material's script fetches from elsewhere only for a repository link (api.github.com) or a Mermaid
+        # diagram (unpkg.com); the site has neither.
+        assert 'class="md-source"' not in html and 'class="mermaid"' not in html, page
 
 
 def test_the_reference_pages_are_generated_from_the_code(site):
