@@ -303,3 +303,17 @@ def test_an_example_answering_in_another_shape_would_be_seen(workdir):
     assert shape_differences(parse_shown(step.shown), json.loads(result.stdout)) == [
         "answer: shown keys ['b'], got ['a']"]
 
+
+
+def test_the_routes_reference_is_rendered_from_the_document_the_server_serves(example_server):
+    status, _, served = example_server.request("GET", "/openapi.json")
+    assert status == 200 and served == docs_hooks.openapi_document()
+
+
+def test_the_metrics_reference_lists_every_series_a_running_server_exposes(example_server):
+    exposed = re.findall(r"^# TYPE (\S+) (\S+)$", example_server.request("GET", "/metrics")[2].decode(), re.MULTILINE)
+    assert len(exposed) > 10
+    reference = docs_hooks.metrics_reference()
+    for name, kind in exposed:
+        shown = name + ("_total" if kind == "counter" and not name.endswith("_total") else "")
+        assert f"| `{shown}` | {kind} |" in reference, f"{name} ({kind}) is not in the metrics reference"
