@@ -161,6 +161,21 @@ def test_every_route_has_a_curl_example_that_the_tests_run():
         assert f"localhost:8000{route}" in run, f"no runnable curl example for {route}"
 
 
+def test_every_list_starts_after_a_blank_line():
+    """MkDocs (Python-Markdown) reads a list that follows a paragraph line as more of the paragraph; GitHub does not."""
+    item = re.compile(r"^([-*]|\d+\.) ")
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        fenced = False
+        previous = ""
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            if not fenced and item.match(line) and previous.strip() and not item.match(previous) \
+                    and not previous.startswith((" ", "|", "#", "<!--")):
+                raise AssertionError(f"{page.relative_to(ROOT)}:{number}: put a blank line before this list")
+            previous = line
+
+
 # The site -----------------------------------------------------------------------------------------------------
 
 
