@@ -174,7 +174,7 @@ class Settings:
     max_image_pixels: int = _setting(
         40_000_000, _int_in(1, 2**31), "largest image, width x height, checked from the header before decoding"
     )
-    # On: answers stay those of full-size decoding (README, Photos), at a fraction of a 12 MP JPEG's decoding.
+    # On: answers stay those of full-size decoding (docs/concepts/decoding.md), at a fraction of a 12 MP JPEG's decoding.
     decode_at_model_size: bool = _setting(
         True, _bool, "decode images no larger than the model's working size (JPEGs by the decoder's own "
         "1/2, 1/4, 1/8 scaling); off: full size"
@@ -210,7 +210,7 @@ class Settings:
         "longest an image waits for others to share its model call (ms; 0: take the images already waiting)"
     )
     # Two: one call's host-side work (stacking, tensor conversion, answers) and the gaps in its
-    # parallelism overlap the other's; on 2 CPU cores 16 x 2 beat 32 x 1 by 18% (README, Measured figures).
+    # parallelism overlap the other's; on 2 CPU cores 16 x 2 beat 32 x 1 by 18% (docs/measured.md).
     inference_threads: int = _setting(2, _int_in(1, 64), "model calls that may run at once")
     max_queue: int = _setting(
         128, _int_in(1, 100000), "images that may wait for a model; beyond, its requests get 503 with Retry-After"
@@ -232,7 +232,7 @@ class Settings:
         500, _int_in(0, 65536), "budgeted per worker beyond its cap: CUDA context, cuDNN/cuBLAS workspaces (MiB)"
     )
     # Five minutes: a model used at least that often never pays a load; one idle longer gives its cap
-    # and CUDA context back for a cold start of about a second (README, Model workers).
+    # and CUDA context back for a cold start of about a second (docs/concepts/workers.md).
     idle_unload_s: float = _setting(
         300.0, _float_in(0.0, 30 * 86400.0), "unload a model idle this long, giving its memory back (s; 0: never)"
     )
@@ -303,6 +303,22 @@ def env_name(name: str) -> str:
 def flag_name(name: str) -> str:
     """Return the command-line flag for a setting, e.g. --gpu-memory."""
     return "--" + name.replace("_", "-")
+
+
+def default_text(name: str) -> str:
+    """Return a setting's default as it would be written in the TOML file or a flag, e.g. 4096MiB, 20MiB, true."""
+    value = getattr(Settings(), name)
+    if value is None:
+        return '""'
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value) or '""'
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return value or '""'
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"{value // 2**20}MiB"
+    return str(value)
 
 
 def setting_fields() -> list[dataclasses.Field]:

@@ -1,4 +1,4 @@
-"""Take the README's screenshot of the page (docs/page.png) from a real run.
+"""Take the screenshot of the page that the README and the docs show (docs/page.png) from a real run.
 
 Starts the service on models/ (faces and shapes) on a free port, opens the page in Chromium, asks
 faces about scikit-image's astronaut, unloads shapes and loads it again so that the chart shows a

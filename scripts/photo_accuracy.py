@@ -18,7 +18,7 @@ on either side and the marginal ones among them (scored under 0.9 and under 100 
 comparison, the same for the JPEG decoder's 1/2 without the cascade's scale step, and for the
 full-size decoding resized by 0.5% (the cascade's own sensitivity to a nudge of scale).
 
-tests/test_photos.py runs the same functions on a subset sized for CI; the README's figures come
+tests/test_photos.py runs the same functions on a subset sized for CI; the figures in docs/concepts/decoding.md come
 from this script on the full sets.
 """
 

@@ -29,7 +29,7 @@ def run_tool(name: str, *args: str, timeout: float = 240.0) -> subprocess.Comple
 
 
 def test_bench_smoke_writes_json_and_plot_with_error_free_steps(blob_model_dir, tmp_path):
-    """With --v2, --compare-decode and --image-size, as the README's KServe and photo-sized rows are measured."""
+    """With --v2, --compare-decode and --image-size, as the KServe and photo-sized rows of docs/measured.md are measured."""
     pytest.importorskip("matplotlib", reason="the bench plot needs matplotlib (scripts/bench installs it)")
     out = tmp_path / "bench"
     done = run_tool("bench", "--smoke", "--v2", "--model", str(blob_model_dir), "--out", str(out),

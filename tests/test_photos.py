@@ -1,7 +1,7 @@
 """Phone-sized photos decoded at the model's working size answer as they do at full size.
 
 The accuracy checks run scripts/photo_accuracy.py's own functions on subsets sized for CI; the
-README's figures come from the script on the full sets. The HTTP checks start real servers with
+figures in docs/concepts/decoding.md come from the script on the full sets. The HTTP checks start real servers with
 decode_at_model_size on and off and read the answers' sizes and boxes.
 """
 
@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import photo_accuracy  # noqa: E402
 
-SHAPES_SCENES = 20  # of the 500 held-out scenes; the README gives all 500
-FACE_PHOTOS = ("astronaut", "camera", "lfw_mosaic_0")  # the package-checked photos; 14 in the README
+SHAPES_SCENES = 20  # of the 500 held-out scenes; docs/concepts/decoding.md gives all 500
+FACE_PHOTOS = ("astronaut", "camera", "lfw_mosaic_0")  # the package-checked photos; 14 in docs/concepts/decoding.md
 
 
 def test_shapes_map_at_the_working_size_is_within_0_01_of_full_size():
@@ -46,7 +46,7 @@ def test_faces_at_the_working_size_are_the_full_size_faces(face_answers, name):
     """4032x3024 decoded at 2027x1520 (0.709 squared): every face found again, IoU >= 0.9, none new.
 
     Marginal detections (score under 0.9, under 100 px) are exempt: a 0.5% resize of the full-size
-    photo keeps or drops them too (README, Photos).
+    photo keeps or drops them too (docs/concepts/decoding.md).
     """
     photo = face_answers[name]
     working = photo["working"]

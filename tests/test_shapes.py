@@ -241,7 +241,7 @@ def test_the_committed_model_reaches_map_50_of_0_90_on_the_500_heldout_scenes(co
     metrics = coco_map(scenes, predict(committed, scenes, stream=io.StringIO()))
     assert metrics["map_50"] >= 0.90, metrics
     recorded = json.loads((committed.model.path / "metrics.json").read_text())
-    # What the README and metrics.json report is what the committed files give.
+    # What the docs (docs/reference/models.md) and metrics.json report is what the committed files give.
     assert metrics["map_50"] == pytest.approx(recorded["map_50"], abs=0.01)
     assert metrics["map_50_95"] == pytest.approx(recorded["map_50_95"], abs=0.01)
 

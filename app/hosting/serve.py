@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigError, DetectError, ModelError, PolicyError
-from ..settings import Settings, check_model_names, env_name, flag_name, load_settings, setting_fields
+from ..settings import (Settings, check_model_names, default_text, env_name, flag_name, load_settings,
+                        setting_fields)
 
 log = logging.getLogger("app.serve")
 
@@ -38,8 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TOML settings file (default: config/default.toml if present)")
     for f in setting_fields():
         parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
-                            help=f"{f.metadata['help']} [{env_name(f.name)}]")
+                            help=setting_help(f.name))
     return parser
+
+
+def setting_help(name: str) -> str:
+    """Return a setting's --help line: its meaning, its default and its variable, escaped for argparse."""
+    field = next(f for f in setting_fields() if f.name == name)
+    text = f"{field.metadata['help']} (default: {default_text(name)}) [{env_name(name)}]"
+    return text.replace("%", "%%")  # argparse %-formats help; '25%' would end it with ValueError
 
 
 def main(argv: list[str]) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from importlib import metadata as package_metadata
 from typing import Any, Optional
 
 from flask import Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
+from .. import __version__
 from ..errors import BadRequest, BodyTooLarge, InternalError, MethodNotAllowed, NotFound, RequestError
 from ..metrics import ServiceMetrics
 from ..settings import Settings
@@ -67,11 +67,8 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
 
 
 def server_version() -> str:
-    """The installed package's version."""
-    try:
-        return package_metadata.version(SERVER_NAME)
-    except package_metadata.PackageNotFoundError:
-        return "unknown"
+    """The service's version: app.__version__, which pyproject.toml also reads."""
+    return __version__
 
 
 def service() -> Service:

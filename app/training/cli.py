@@ -52,8 +52,8 @@ def _with_gpu_policy(args: argparse.Namespace, command: Callable[[], int]) -> in
         return 2
 
 
-def train_main(argv: list[str]) -> int:
-    """Train the shapes detector; resume from the latest checkpoint in --logdir."""
+def train_parser() -> argparse.ArgumentParser:
+    """Return the `train` flag parser."""
     parser = _parser("train", "Train the shapes detector on generated scenes, under the GPU memory policy.")
     parser.add_argument("--steps", type=int, default=None, help="train up to this step (default 4000)")
     parser.add_argument("--batch-size", type=int, default=None, help="scenes per step (default 16)")
@@ -64,6 +64,12 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (100)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run: {QUICK_STEPS} steps of {QUICK_BATCH} scenes unless given")
+    return parser
+
+
+def train_main(argv: list[str]) -> int:
+    """Train the shapes detector; resume from the latest checkpoint in --logdir."""
+    parser = train_parser()
     args = parser.parse_args(argv)
 
     def command() -> int:
@@ -90,14 +96,19 @@ def train_main(argv: list[str]) -> int:
     return _with_gpu_policy(args, command)
 
 
-def export_main(argv: list[str]) -> int:
-    """Export the latest checkpoint as a SavedModel version folder with its label map."""
+def export_parser() -> argparse.ArgumentParser:
+    """Return the `export` flag parser."""
     parser = _parser("export", "Export the trained shapes detector as an OD API SavedModel.")
     parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_LOGDIR / "checkpoints",
                         help="where `train` wrote its checkpoints (default runs/shapes/checkpoints)")
     parser.add_argument("--out", type=Path, default=None,
                         help="version folder to write (default: the next version under models/shapes)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    """Export the latest checkpoint as a SavedModel version folder with its label map."""
+    args = export_parser().parse_args(argv)
 
     def command() -> int:
         from .export import export, next_version
@@ -117,13 +128,18 @@ def export_main(argv: list[str]) -> int:
     return _with_gpu_policy(args, command)
 
 
-def evaluate_main(argv: list[str]) -> int:
-    """Compute COCO mAP of a model on the held-out scenes; write metrics.json beside it."""
+def evaluate_parser() -> argparse.ArgumentParser:
+    """Return the `evaluate` flag parser."""
     parser = _parser("evaluate", "Compute COCO mAP@0.5 and mAP@[0.5:0.95] on held-out generated scenes.")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODELS,
                         help="model base path (its highest version) or one version folder (default models/shapes)")
     parser.add_argument("--images", type=int, default=500, help="held-out scenes to score (default 500)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def evaluate_main(argv: list[str]) -> int:
+    """Compute COCO mAP of a model on the held-out scenes; write metrics.json beside it."""
+    args = evaluate_parser().parse_args(argv)
 
     def command() -> int:
         from .evaluate import evaluate_model
