@@ -363,3 +363,11 @@ def test_the_model_needs_neither_node_nor_the_npm_package_to_serve():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "found: ['cat']" in done.stdout
+
+
+def test_models_lists_what_the_model_finds_for_the_page(objects_server):
+    status, _, model = objects_server.request("GET", "/models/objects")
+    assert status == 200 and model["state"] == "ready"
+    assert len(model["labels"]) == 80 and model["labels"][:4] == ["person", "bicycle", "car", "motorcycle"]
+    page = objects_server.request("GET", "/")[2].decode()
+    assert 'id="model-labels"' in page
