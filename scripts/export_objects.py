@@ -192,43 +192,42 @@ def graph_def_from_tfjs(model: dict, data: bytes):
 
 
 def rewrite_tfjs_ops(graph_def) -> None:
-    """Replace TFJS's fused ops (conv/matmul + BiasAdd + activation) with the TensorFlow ops they fuse."""
+    """Replace TFJS's fused ops (conv or matmul, then BiasAdd, then one activation) with the ops they fuse.
+
+    The chain's last node takes the fused node's name, so that its consumers need no change; each node
+    keeps only the attributes its op declares.
+    """
     from tensorflow.core.framework import node_def_pb2
+    from tensorflow.python.framework import op_def_registry
+
+    def make(name, op, inputs, attrs):
+        declared = {a.name for a in op_def_registry.get(op).attr}
+        made = node_def_pb2.NodeDef(name=name, op=op, input=inputs)
+        for key, value in attrs.items():
+            if key in declared:
+                made.attr[key].CopyFrom(value)
+        return made
 
     added = []
     for node in graph_def.node:
         if node.op not in FUSED_OPS:
             continue
         fused = [op.decode() for op in node.attr["fused_ops"].list.s]
-        extra = int(node.attr["num_args"].i)
-        inputs = [i for i in node.input if not i.startswith("^")]
-        unknown = [op for op in fused if op not in ("BiasAdd", "Prelu", *FUSED_ACTIVATIONS)]
+        unknown = [op for op in fused if op != "BiasAdd" and op not in FUSED_ACTIVATIONS]
         if unknown:
-            raise SystemExit(f"{node.name}: {node.op} fuses {unknown}, which this converter does not rewrite")
-        name, args = node.name, inputs[2:2 + extra]
-        base = node_def_pb2.NodeDef(name=f"{name}/{FUSED_OPS[node.op]}", op=FUSED_OPS[node.op], input=inputs[:2])
-        for key, value in node.attr.items():
-            if key not in ("fused_ops", "num_args", "epsilon", "leakyrelu_alpha", "num_host_args"):
-                base.attr[key].CopyFrom(value)
-        if node.op == "_FusedMatMul":
-            for key in [k for k in base.attr if k not in ("T", "transpose_a", "transpose_b")]:
-                del base.attr[key]
-        chain, last = [base], base.name
+            raise SystemExit(f"{node.name}: {node.op} fuses {', '.join(unknown)}, which this converter does not "
+                             f"rewrite (it knows BiasAdd and {', '.join(sorted(FUSED_ACTIVATIONS))})")
+        inputs = [i for i in node.input if not i.startswith("^")]
+        args = inputs[2:2 + int(node.attr["num_args"].i)]
+        attrs = dict(node.attr.items())
+        if "LeakyRelu" in fused:  # the fused op's leakyrelu_alpha, 0.2 when absent as in TensorFlow's op
+            alpha = node.attr["leakyrelu_alpha"].f if "leakyrelu_alpha" in node.attr else 0.2
+            attrs["alpha"] = type(node.attr["T"])(f=alpha)
+        chain = [make(f"{node.name}/{FUSED_OPS[node.op]}", FUSED_OPS[node.op], inputs[:2], attrs)]
         for op in fused:
-            step_node = node_def_pb2.NodeDef(name=f"{name}/{op}", op=op)
-            step_node.attr["T"].CopyFrom(node.attr["T"])
-            if op == "BiasAdd":
-                step_node.input.extend([last, args.pop(0)])
-            elif op == "Prelu":  # TFJS's Prelu: relu(x) - alpha * relu(-x)
-                raise SystemExit(f"{node.name}: fused Prelu is not rewritten by this converter")
-            else:
-                step_node.input.append(last)
-                if op == "LeakyRelu":
-                    step_node.attr["alpha"].f = node.attr["leakyrelu_alpha"].f or 0.2
-            chain.append(step_node)
-            last = step_node.name
-        # the last node of the chain takes the fused node's name, so its consumers need no change
-        chain[-1].name = name
+            extra = [args.pop(0)] if op == "BiasAdd" else []
+            chain.append(make(f"{node.name}/{op}", op, [chain[-1].name, *extra], attrs))
+        chain[-1].name = node.name
         node.CopyFrom(chain[-1])
         added.extend(chain[:-1])
     graph_def.node.extend(added)

@@ -8,9 +8,11 @@ boxes measured by hand. Then odd shapes, batches and a sideways phone photo over
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +81,90 @@ def signatures(objects):
     import tensorflow as tf
 
     return tf.saved_model.load(str(objects.model.path)).signatures
+
+
+# -- the converter -------------------------------------------------------------------------------------
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def tfjs_model(fused_ops: list[str], extra_node: dict | None = None) -> tuple[dict, bytes, dict]:
+    """A small TFJS graph model as the TFJS converter writes one: fused conv ops, a float16-quantized
+    kernel, an int64 shape stored as int32. Return (model.json, weights, the arrays as float32)."""
+    rng = np.random.default_rng(1)
+    arrays = {"kernel": rng.standard_normal((3, 3, 2, 4)).astype(np.float16).astype(np.float32),
+              "bias": rng.standard_normal(4).astype(np.float32),
+              "depthwise": rng.standard_normal((3, 3, 4, 1)).astype(np.float32),
+              "depthwise_bias": rng.standard_normal(4).astype(np.float32),
+              "target": np.array([1, -1], np.int32)}
+    float_t = {"type": "DT_FLOAT"}
+    conv = {"T": float_t, "strides": {"list": {"i": ["1", "1", "1", "1"]}}, "padding": {"s": b64("SAME")},
+            "data_format": {"s": b64("NHWC")}, "dilations": {"list": {"i": ["1", "1", "1", "1"]}},
+            "num_args": {"i": "1"}, "epsilon": {"f": 0.0}}
+    nodes = [{"name": "x", "op": "Placeholder", "attr": {"dtype": float_t}}]
+    for name, values in arrays.items():
+        dtype = "DT_INT64" if values.dtype == np.int32 else "DT_FLOAT"
+        nodes.append({"name": name, "op": "Const", "attr": {"dtype": {"type": dtype}, "value": {"tensor": {
+            "dtype": dtype, "tensorShape": {"dim": [{"size": str(d)} for d in values.shape]}}}}})
+    nodes += [
+        {"name": "conv", "op": "_FusedConv2D", "input": ["x", "kernel", "bias"],
+         "attr": {**conv, "fused_ops": {"list": {"s": [b64(op) for op in fused_ops]}}}},
+        {"name": "dw", "op": "FusedDepthwiseConv2dNative", "input": ["conv", "depthwise", "depthwise_bias"],
+         "attr": {**conv, "fused_ops": {"list": {"s": [b64("BiasAdd"), b64("Relu6")]}}}},
+        {"name": "out", "op": "Reshape", "input": ["dw", "target"], "attr": {"T": float_t, "Tshape": {"type": "DT_INT64"}}},
+    ]
+    if extra_node:
+        nodes.append(extra_node)
+    specs = [{"name": n, "shape": list(v.shape), "dtype": "int32" if v.dtype == np.int32 else "float32"}
+             for n, v in arrays.items()]
+    specs[0]["quantization"] = {"dtype": "float16", "original_dtype": "float32"}
+    data = arrays["kernel"].astype(np.float16).tobytes() + b"".join(v.tobytes() for v in list(arrays.values())[1:])
+    return {"modelTopology": {"node": nodes}, "weightsManifest": [{"paths": ["m.bin"], "weights": specs}]}, data, arrays
+
+
+@pytest.mark.parametrize("activation", ["Relu", "LeakyRelu", "Sigmoid"])
+def test_the_converter_rewrites_tfjs_fused_ops_and_fills_quantized_and_int64_constants(activation):
+    import tensorflow as tf
+
+    model, data, arrays = tfjs_model(["BiasAdd", activation])
+    graph_def = export_objects.graph_def_from_tfjs(model, data)
+    assert not {n.op for n in graph_def.node} & set(export_objects.FUSED_OPS)
+    x = np.random.default_rng(2).standard_normal((1, 5, 5, 2)).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph) as session:
+            got = session.run("out:0", {"x:0": x})
+    conv = tf.nn.conv2d(x, arrays["kernel"], 1, "SAME") + arrays["bias"]
+    conv = {"Relu": tf.nn.relu, "LeakyRelu": lambda v: tf.nn.leaky_relu(v, 0.2), "Sigmoid": tf.sigmoid}[activation](conv)
+    dw = tf.nn.relu6(tf.nn.depthwise_conv2d(conv, arrays["depthwise"], [1, 1, 1, 1], "SAME") + arrays["depthwise_bias"])
+    np.testing.assert_allclose(got, tf.reshape(dw, [1, -1]).numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("fused_ops, extra_node, message", [
+    (["BiasAdd", "Prelu"], None, "conv: _FusedConv2D fuses Prelu, which this converter does not rewrite"),
+    (["BiasAdd"], {"name": "odd", "op": "TfjsOnlyOp", "input": ["out"]},
+     "ops TensorFlow does not know and this converter does not rewrite: TfjsOnlyOp (node odd)"),
+])
+def test_the_converter_fails_naming_an_op_it_does_not_know(fused_ops, extra_node, message):
+    model, data, _ = tfjs_model(fused_ops, extra_node)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        export_objects.graph_def_from_tfjs(model, data)
+
+
+def test_the_converter_refuses_weights_the_manifest_does_not_describe():
+    model, data, _ = tfjs_model(["BiasAdd"])
+    with pytest.raises(SystemExit, match="4 bytes of weights left over"):
+        export_objects.graph_def_from_tfjs(model, data + b"\0" * 4)
+
+
+def test_a_tarball_that_is_not_the_pinned_one_is_refused_and_deleted(tmp_path):
+    tarball = tmp_path / export_objects.PACKAGE_FILE
+    tarball.write_bytes(b"not the package")
+    with pytest.raises(SystemExit, match="is not the pinned sha512-qTqdbwQWh"):
+        export_objects.fetch(tmp_path)
+    assert not tarball.exists()
 
 
 # -- photos with known content ---------------------------------------------------------------------
