@@ -296,6 +296,123 @@ def relax_batch(graph_def) -> None:
     graph_def.node.extend(added)
 
 
+def drop_transposes(graph_def) -> int:
+    """Remove the layout round trips that ONNX-to-TensorFlow conversion leaves around every convolution.
+
+    onnx-tf keeps tensors in ONNX's NCHW and wraps each Conv2D, MaxPool and ResizeBilinear (which
+    TensorFlow runs in NHWC on a CPU) in Transposes to NHWC and back: a quarter of the network's
+    time here. This pass keeps each tensor in whatever layout it was made in, recording the
+    permutation from the layout the graph means to the one it holds: a Transpose then becomes an
+    Identity, ops that do not care (elementwise ones, Pad, ConcatV2 and SplitV with their padding
+    rows or axis permuted) follow the held layout, and any other op is given the meant layout by a
+    Transpose inserted before it. Every op computes the same numbers as before; only where they sit
+    in memory changes. Return how many Transposes were removed."""
+    import tensorflow as tf
+    from tensorflow.core.framework import node_def_pb2
+
+    consts = {node.name: tf.make_ndarray(node.attr["value"].tensor) for node in graph_def.node if node.op == "Const"}
+    held: dict[str, tuple] = {}  # tensor -> permutation p: held = transpose(meant, p); absent: as meant
+    meant: dict[str, str] = {}  # tensor -> an inserted Transpose giving it in the meant layout
+    added, removed = [], 0
+
+    def tensor(name: str) -> str:
+        return name if ":" in name else f"{name}:0"
+
+    def const(name: str, values) -> str:
+        node = node_def_pb2.NodeDef(name=name, op="Const")
+        proto = tf.make_tensor_proto(values)
+        node.attr["dtype"].type = proto.dtype
+        node.attr["value"].tensor.CopyFrom(proto)
+        added.append(node)
+        return name
+
+    def as_meant(name: str) -> str:
+        """The input `name`, in the layout the graph means it (a Transpose inserted when needed)."""
+        if name.startswith("^") or tensor(name) not in held:
+            return name
+        if tensor(name) not in meant:
+            key = tensor(name).replace(":", "_")
+            inverse = np.argsort(held[tensor(name)]).astype(np.int32)
+            node = node_def_pb2.NodeDef(name=f"{key}/as_meant", op="Transpose",
+                                        input=[name, const(f"{key}/as_meant/perm", inverse)])
+            node.attr["T"].type = tf.float32.as_datatype_enum
+            node.attr["Tperm"].type = tf.int32.as_datatype_enum
+            added.append(node)
+            meant[tensor(name)] = node.name
+        return meant[tensor(name)]
+
+    def scalar(name: str) -> bool:
+        return name in consts and consts[name].size == 1
+
+    elementwise = ("LeakyRelu", "Sigmoid", "Relu", "Relu6", "Tanh", "Elu", "Add", "AddV2", "Mul", "Sub")
+    for node in topological(graph_def):
+        data = [i for i in node.input if not i.startswith("^")]
+        # the inputs whose layout matters, and where the op's axis or paddings are
+        if node.op == "Transpose" and data[1] in consts:
+            flowing = data[:1]
+        elif node.op in ("Pad", "PadV2", "SplitV") and len(data) > 1:
+            flowing = data[:1]
+        elif node.op == "ConcatV2":
+            flowing = data[:-1]
+        elif node.op in elementwise:
+            flowing = [i for i in data if not scalar(i)]
+        else:
+            flowing = []
+        perms = {held.get(tensor(i)) for i in flowing}
+        follows = None  # the permutation this node's outputs are held in
+        dropped = node.op == "Transpose" and bool(flowing)
+        if dropped:
+            before = held.get(tensor(data[0])) or tuple(range(len(consts[data[1]])))
+            after = tuple(int(v) for v in np.argsort(consts[data[1]])[list(before)])
+            node.op, node.input[:] = "Identity", [data[0]]
+            for key in [k for k in node.attr if k != "T"]:
+                del node.attr[key]
+            removed += 1
+            follows = after if after != tuple(range(len(after))) else None
+        elif len(perms) == 1 and None not in perms:
+            (perm,) = perms
+            if node.op in elementwise:
+                follows = perm
+            elif node.op in ("Pad", "PadV2") and data[1] in consts:
+                node.input[1] = const(f"{node.name}/held_paddings", consts[data[1]][list(perm)])
+                follows = perm
+            elif node.op == "ConcatV2" and data[-1] in consts:
+                axis = int(consts[data[-1]]) % len(perm)
+                node.input[len(data) - 1] = const(f"{node.name}/held_axis", np.int32(perm.index(axis)))
+                follows = perm
+            elif node.op == "SplitV" and data[2] in consts:
+                axis = int(consts[data[2]]) % len(perm)
+                node.input[2] = const(f"{node.name}/held_axis", np.int32(perm.index(axis)))
+                follows = perm
+        if follows is not None:
+            outputs = int(node.attr["num_split"].i) if node.op == "SplitV" else 1
+            held.update({f"{node.name}:{k}": follows for k in range(outputs)})
+        elif not dropped:  # a dropped Transpose whose input is held in its output's meant layout stays as it is
+            node.input[:] = [as_meant(i) for i in node.input]
+    graph_def.node.extend(added)
+    return removed
+
+
+def topological(graph_def) -> list:
+    """The graph's nodes, each after every node it reads."""
+    nodes = {node.name: node for node in graph_def.node}
+    done, order = set(), []
+    for start in graph_def.node:
+        stack = [(start, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node.name in done:
+                continue
+            if expanded:
+                done.add(node.name)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((nodes[i.lstrip("^").split(":")[0]], False) for i in node.input
+                         if i.lstrip("^").split(":")[0] not in done)
+    return order
+
+
 # -- the detector around the network ----------------------------------------------------------------
 
 
@@ -480,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     model = json.loads((folder / "nanodet.json").read_text())
     graph_def = graph_def_from_tfjs(model, (folder / "nanodet.bin").read_bytes())
     relax_batch(graph_def)
+    before = sum(node.op == "Transpose" for node in graph_def.node)
+    removed = drop_transposes(graph_def)
+    step(f"  layout: {removed} of {before} Transposes dropped, "
+         f"{sum(node.op == 'Transpose' for node in graph_def.node)} left (where an op needs the graph's own layout)")
     ops = sorted({node.op for node in graph_def.node})
     step(f"  {len(graph_def.node)} nodes; ops: {', '.join(ops)}")
 
