@@ -32,6 +32,7 @@ from images_for_tests import encode
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import export_objects  # noqa: E402
+import tfjs_graph  # noqa: E402
 
 MODEL = ROOT / "models" / "objects"
 PARITY = ROOT / "tests" / "parity"
@@ -129,8 +130,8 @@ def test_the_converter_rewrites_tfjs_fused_ops_and_fills_quantized_and_int64_con
     import tensorflow as tf
 
     model, data, arrays = tfjs_model(["BiasAdd", activation])
-    graph_def = export_objects.graph_def_from_tfjs(model, data)
-    assert not {n.op for n in graph_def.node} & set(export_objects.FUSED_OPS)
+    graph_def = tfjs_graph.graph_def_from_tfjs(model, data)
+    assert not {n.op for n in graph_def.node} & set(tfjs_graph.FUSED_OPS)
     x = np.random.default_rng(2).standard_normal((1, 5, 5, 2)).astype(np.float32)
     with tf.Graph().as_default() as graph:
         tf.graph_util.import_graph_def(graph_def, name="")
@@ -150,13 +151,13 @@ def test_the_converter_rewrites_tfjs_fused_ops_and_fills_quantized_and_int64_con
 def test_the_converter_fails_naming_an_op_it_does_not_know(fused_ops, extra_node, message):
     model, data, _ = tfjs_model(fused_ops, extra_node)
     with pytest.raises(SystemExit, match=re.escape(message)):
-        export_objects.graph_def_from_tfjs(model, data)
+        tfjs_graph.graph_def_from_tfjs(model, data)
 
 
 def test_the_converter_refuses_weights_the_manifest_does_not_describe():
     model, data, _ = tfjs_model(["BiasAdd"])
     with pytest.raises(SystemExit, match="4 bytes of weights left over"):
-        export_objects.graph_def_from_tfjs(model, data + b"\0" * 4)
+        tfjs_graph.graph_def_from_tfjs(model, data + b"\0" * 4)
 
 
 def test_a_tarball_that_is_not_the_pinned_one_is_refused_and_deleted(tmp_path):
