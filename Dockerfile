@@ -1,4 +1,4 @@
-# The detection service with its model repository baked in (models/: faces and shapes, each in a worker of
+# The detection service with its model repository baked in (models/: objects, faces and shapes, each in a worker of
 # its own, each worker inside its cap):
 #   docker build -t gpu-share-detect .
 #   docker run --gpus all -e DETECT_GPU_MEMORY=4GiB -p 8001:8000 gpu-share-detect

@@ -203,7 +203,7 @@ def test_the_default_pod_asks_for_one_whole_gpu_on_a_node_whose_labels_match_the
 
 @pytest.mark.parametrize("name, resources", [
     ("time-slicing", {"detect": "nvidia.com/gpu.shared"}),
-    ("mig", {"faces": "nvidia.com/mig-1g.10gb", "shapes": "nvidia.com/mig-1g.10gb"}),
+    ("mig", {"objects": "nvidia.com/mig-1g.10gb", "shapes": "nvidia.com/mig-1g.10gb"}),
 ])
 def test_examples_ask_for_a_shared_gpu_or_a_mig_slice(rendered, name, resources):
     for group, resource in resources.items():
@@ -214,9 +214,9 @@ def test_examples_ask_for_a_shared_gpu_or_a_mig_slice(rendered, name, resources)
 
 @pytest.mark.parametrize("name, group, caps, per_gpu, needed, total, share", [
     # Each example's own comment gives these: caps + 500 MiB overhead per model, times the pods per GPU.
-    ("default", "faces", {"faces": "4GiB"}, 1, 4596, 15360, 15360),
+    ("default", "objects", {"objects": "4GiB"}, 1, 4596, 15360, 15360),
     ("time-slicing", "detect", {"faces": "4GiB", "shapes": "1GiB"}, 3, 18360, 23028, 7676),
-    ("mig", "faces", {"faces": "8GiB"}, 1, 8692, 9728, 9728),
+    ("mig", "objects", {"objects": "8GiB"}, 1, 8692, 9728, 9728),
     ("mig", "shapes", {"shapes": "2GiB"}, 2, 5096, 9728, 4864),
 ])
 def test_each_settings_file_holds_the_models_caps_and_the_pods_share_of_its_gpu(rendered, name, group, caps,
@@ -272,17 +272,17 @@ def test_helm_template_fails_naming_the_numbers_when_the_budget_breaks(sets, mes
 @pytest.mark.parametrize("cap, fits", [("9GiB", True), ("9300", False)])
 def test_a_cap_fits_a_mig_slice_only_with_its_overhead(cap, fits):
     """A 9728 MiB slice: 9216 + 500 MiB fits, 9300 + 500 MiB does not."""
-    out = helm_template(VALUES["mig"], f"groups.faces.models.faces.gpu_memory={cap}")
+    out = helm_template(VALUES["mig"], f"groups.objects.models.objects.gpu_memory={cap}")
     if fits:
         assert out.returncode == 0, out.stderr
     else:
-        assert out.returncode != 0 and "(faces 9300 MiB + 1 x 500 MiB overhead = 9800 MiB) = 9800 MiB, but " \
+        assert out.returncode != 0 and "(objects 9300 MiB + 1 x 500 MiB overhead = 9800 MiB) = 9800 MiB, but " \
             "gpu.memoryMiB is 9728 MiB" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["groups.faces.models.faces.gpu_memory=lots"], "/groups/faces/models/faces/gpu_memory"),
-    (["groups.faces.models.faces.max_batch=4"], "additional properties 'max_batch' not allowed"),
+    (["groups.objects.models.objects.gpu_memory=lots"], "/groups/objects/models/objects/gpu_memory"),
+    (["groups.objects.models.objects.max_batch=4"], "additional properties 'max_batch' not allowed"),
     (["gpu.resource=amd.com/gpu"], "/gpu/resource"),
 ])
 def test_the_values_schema_refuses_what_the_service_would(sets, message):
@@ -296,7 +296,7 @@ def test_optional_objects_are_off_by_default(rendered):
 
 
 def test_all_options_adds_a_service_monitor_an_autoscaler_and_a_network_policy_that_fit_together(rendered):
-    full = f"{RELEASE}-gpu-share-detect-faces"
+    full = f"{RELEASE}-gpu-share-detect-objects"
     deployment = objects(rendered, "all-options", "Deployment")[full]
     pods = deployment["spec"]["template"]["metadata"]["labels"]
     service = objects(rendered, "all-options", "Service")[full]
@@ -430,7 +430,7 @@ def test_the_kserve_containers_validate_strictly_as_kubernetes_containers(tmp_pa
 
 def _kserve_environ() -> dict[str, str]:
     (ctr,) = _one(RUNTIME)["spec"]["containers"]
-    env = {e["name"]: e["value"].replace("{{.Name}}", "faces") for e in ctr["env"] if e["name"].startswith("DETECT_")}
+    env = {e["name"]: e["value"].replace("{{.Name}}", "objects") for e in ctr["env"] if e["name"].startswith("DETECT_")}
     env.update({e["name"]: e["value"] for e in _one(ISVC)["spec"]["predictor"]["model"]["env"]})
     return env
 

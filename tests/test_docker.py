@@ -109,8 +109,8 @@ def test_the_image_is_the_pinned_tensorflow_gpu_one_run_as_a_user_stopped_by_sig
     # beat its [models.*] tables, so the image sets none of those.
     assert not {"DETECT_MODEL", "DETECT_GPU_MEMORY", "DETECT_MODEL_REPOSITORY"} & set(env)
     shipped = load_settings(config_path=ROOT / "config" / "default.toml", environ={})
-    caps = [shipped.for_model(name).gpu_memory for name in ("faces", "shapes")]
-    assert [c.mode for c in caps] == ["cap", "cap"]  # never greedy: the workers share the GPU
+    caps = [shipped.for_model(name).gpu_memory for name in ("objects", "faces", "shapes")]
+    assert [c.mode for c in caps] == ["cap", "cap", "cap"]  # never greedy: the workers share the GPU
 
 
 def test_dockerignore_lets_in_what_the_dockerfile_copies():
@@ -278,13 +278,13 @@ def container(docker_image):
     running.remove()
 
 
-def astronaut_jpeg() -> bytes:
-    """The README's photo: scikit-image's astronaut.png saved as JPEG at quality 95."""
-    import skimage.data
+def motorcycle_jpeg() -> bytes:
+    """The README's first photo: scikit-image's motorcycle_left.png saved as JPEG at quality 95."""
+    import skimage
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.fromarray(skimage.data.astronaut()).save(buffer, format="JPEG", quality=95)
+    Image.open(skimage.data_dir + "/motorcycle_left.png").save(buffer, format="JPEG", quality=95)
     return buffer.getvalue()
 
 
@@ -297,11 +297,11 @@ def readme_answer(photo: str) -> dict:
 
 @pytest.mark.docker
 def test_the_container_answers_a_photo_as_the_readme_shows(container):
-    status, _, answer = container.request("POST", "/detect", astronaut_jpeg(), {"Content-Type": "image/jpeg"})
+    status, _, answer = container.request("POST", "/detect", motorcycle_jpeg(), {"Content-Type": "image/jpeg"})
     assert status == 200, answer
-    shown = readme_answer("astronaut.jpg")
+    shown = readme_answer("motorcycle.jpg")
     assert (answer["model"], answer["width"], answer["height"]) == (shown["model"], shown["width"], shown["height"])
-    assert [d["label"] for d in answer["detections"]] == [d["label"] for d in shown["detections"]] == ["face"]
+    assert [d["label"] for d in answer["detections"]] == [d["label"] for d in shown["detections"]] == ["motorcycle"]
     for got, expected in zip(answer["detections"], shown["detections"]):
         assert got["score"] == pytest.approx(expected["score"], abs=0.005)
         for side in ("x_min", "y_min", "x_max", "y_max"):
@@ -322,12 +322,12 @@ def test_gpu_reports_the_cap_given_by_docker_run_e(container):
     status, _, report = container.request("GET", "/gpu")
     assert status == 200
     policies = {w["model"]: w["policy"] for w in report["workers"]}
-    assert set(policies) == {"faces", "shapes"}  # the baked-in repository, a worker each
+    assert set(policies) == {"faces", "objects", "shapes"}  # the baked-in repository, a worker each
     assert {p["mode"] for p in policies.values()} == {"cap"}
     assert {p["spec"] for p in policies.values()} == {str(parse_memory_spec("2GiB"))} == {"2048MiB"}
     assert report["available"] is False and "NVML" in report["reason"]  # no GPU on this host: said, not hidden
     status, _, ready = container.request("GET", "/readyz")
-    assert status == 200 and [m["name"] for m in ready["models"]] == ["faces", "shapes"]
+    assert status == 200 and [m["name"] for m in ready["models"]] == ["faces", "objects", "shapes"]
 
 
 @pytest.mark.docker

@@ -183,6 +183,22 @@ def test_astronaut_with_faces_draws_one_face_box_where_the_api_says(watched, pag
     assert watched.problems == []
 
 
+def test_the_page_opens_on_the_default_model_and_lists_what_each_model_finds(watched, page_server, astronaut):
+    """objects, the default, is chosen and its 80 COCO labels listed; choosing faces lists its one; a
+    photo of the astronaut to objects is boxed as a person."""
+    page = watched.page
+    assert page.input_value("#model") == "objects"
+    labels = watched.until("() => document.querySelector('#model-labels').textContent", what="the labels")
+    assert labels.startswith("objects finds 80 labels: person, bicycle, car, motorcycle,") and "toothbrush" in labels
+    _, path = astronaut
+    watched.detect("objects", path)
+    assert [d["label"] for d in _api(page_server, "objects", path.read_bytes())["detections"]] == ["person"]
+    assert [box["label"].split()[0] for box in watched.drawn_boxes()] == ["person"]
+    page.select_option("#model", "faces")
+    assert page.inner_text("#model-labels") == "faces finds one label: face"
+    assert watched.problems == []
+
+
 def test_an_exif_rotated_photo_is_boxed_as_it_is_shown(watched, page_server, astronaut, tmp_path):
     # Stored sideways with orientation 6 ("rotate 90 clockwise to view"): the browser shows it upright,
     # the server detects on the upright image, and the box lands on the face as shown.

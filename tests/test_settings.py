@@ -31,7 +31,7 @@ def test_shipped_default_config_matches_the_code_defaults():
     documented = {f.name for f in setting_fields()} - {"model", "notify_fd"}  # one-model mode; the fleet's own
     assert set(shipped) == documented | {"models"}
     loaded = load_settings(config_path=ROOT / "config" / "default.toml", environ={})
-    assert loaded == Settings(default_model="faces", model_overrides=(
+    assert loaded == Settings(default_model="objects", model_overrides=(
         ("shapes", (("gpu_memory", MemorySpec(mode="cap", cap_mib=2048)),)),))
 
 

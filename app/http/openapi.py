@@ -95,7 +95,9 @@ def _schemas() -> dict:
                                                     "properties": {"version": string, "state": string,
                                                                    "reason": string}}},
             "pid": {"type": ["integer", "null"]}, "signature": {"type": ["object", "null"]},
-            "memory": {"type": ["object", "null"]}}},
+            "memory": {"type": ["object", "null"]},
+            "labels": {"type": "array", "items": string,
+                       "description": "what the model finds: its label map's names in id order, once loaded"}}},
         "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"], "properties": {
             "name": string, "version": string, "extensions": {"type": "array", "items": string}}},
         "TensorMetadata": tensor_meta,

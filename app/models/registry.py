@@ -500,6 +500,8 @@ class ServedModel:
             "last_load_unix": self.last_load_unix,
             "unloaded_by_request": self.unloaded_by_request,
             "signature": worker.loaded.get("signature") if worker is not None and worker.loaded else None,
+            # the label map of the version last loaded, in id order; [] before a first load
+            "labels": [self.labels[k] for k in sorted(self.labels)],
         }
 
 

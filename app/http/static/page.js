@@ -125,6 +125,15 @@ function fillModels(listing) {
   }
   select.disabled = names.length === 0;
   if (names.length === 0) select.replaceChildren(el("option", { value: "", text: "no models are served" }));
+  showLabels();
+}
+
+// What the chosen model finds, from its label map (known once it has loaded).
+function showLabels() {
+  const model = state.models.find((m) => m.name === chosenModel());
+  const labels = (model && model.labels) || [];
+  $("model-labels").textContent = labels.length === 0 ? "" :
+    `${model.name} finds ${labels.length === 1 ? "one label" : `${labels.length} labels`}: ${labels.join(", ")}`;
 }
 
 function takeImage(file) {
@@ -232,7 +241,7 @@ function wireTryPanel() {
   });
   $("threshold").addEventListener("input", () => { $("threshold-value").textContent = threshold(); });
   $("threshold").addEventListener("change", detect);
-  $("model").addEventListener("change", detect);
+  $("model").addEventListener("change", () => { showLabels(); detect(); });
 }
 
 // ---------------------------------------------------------------------------------------------
