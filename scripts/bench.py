@@ -137,7 +137,7 @@ class ServerProcess:
 
         notifications = Notifications()  # the server says "listening" and "ready" on it
         env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-        env.update({"DETECT_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2",
+        env.update({"DETECT_PORT": "0", "DETECT_GRPC_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2",
                     "DETECT_NOTIFY_FD": str(notifications.child_fd)})
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as handle:

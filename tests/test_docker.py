@@ -135,7 +135,7 @@ def test_the_entry_command_serves_as_the_container_would(blob_model_dir, tmp_pat
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env.update(image_env())
-    env.update(DETECT_PORT=str(port), DETECT_MODEL=str(blob_model_dir))
+    env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT="0", DETECT_MODEL=str(blob_model_dir))
     log_path = tmp_path / "container.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(as_here(exec_form("ENTRYPOINT") + exec_form("CMD")), cwd=ROOT, env=env,

@@ -1,0 +1,197 @@
+"""The gRPC services driven by the real, unmodified clients: tritonclient.grpc (KServe v2), TF Serving's
+PredictionServiceStub (tensorflow-serving-api), grpcio's health and reflection clients, against real servers
+on the blob model, whose answers are known exactly; the bad-input battery and the status-code table."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from blob_model import blob_image
+from images_for_tests import encode
+
+RED_GREEN = blob_image(64, 48, {1: (10, 5, 20, 15), 2: (30, 20, 50, 40)})
+BLUE = blob_image(32, 32, {3: (4, 4, 12, 12)})
+RED_BOX = [5 / 48, 10 / 64, 15 / 48, 20 / 64]
+GREEN_BOX = [20 / 48, 30 / 64, 40 / 48, 50 / 64]
+OUTPUTS = ("detection_boxes", "detection_classes", "detection_scores", "num_detections")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with triton.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as with_client:
+        yield with_client
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """Triton's generated stub, for requests tritonclient would never send (the bad-input battery)."""
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def pixels_input(array: np.ndarray) -> triton.InferInput:
+    tensor = triton.InferInput("input_tensor", list(array.shape), "UINT8")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def files_input(files: list[bytes]) -> triton.InferInput:
+    tensor = triton.InferInput("image", [len(files)], "BYTES")
+    tensor.set_data_from_numpy(np.array(files, dtype=object))
+    return tensor
+
+
+def code_of(refused: pytest.ExceptionInfo) -> str:
+    """The gRPC status code name of a tritonclient refusal (StatusCode.NOT_FOUND -> NOT_FOUND)."""
+    return str(refused.value.status()).rsplit(".", 1)[-1]
+
+
+# KServe v2 with tritonclient.grpc ---------------------------------------------------------------------------
+
+def test_server_metadata_liveness_and_readiness(client):
+    metadata = client.get_server_metadata(as_json=True)
+    assert metadata["name"] == "gpu-share-detect" and metadata["version"]
+    assert "model_repository" in metadata["extensions"]
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("blob") and client.is_model_ready("blob", "2")
+    assert not client.is_model_ready("blob", "1")  # on disk, not the version served
+
+
+def test_model_metadata_and_config_are_the_signature(client):
+    metadata = client.get_model_metadata("blob", as_json=True)
+    assert metadata["name"] == "blob" and metadata["platform"] == "tensorflow_savedmodel"
+    assert metadata["versions"] == ["2"]
+    assert metadata["inputs"] == [{"name": "input_tensor", "datatype": "UINT8", "shape": ["-1", "-1", "-1", "3"]}]
+    assert {o["name"] for o in metadata["outputs"]} == set(OUTPUTS)
+    config = client.get_model_config("blob", as_json=True)["config"]
+    assert config["name"] == "blob" and config["input"][0]["data_type"] == "TYPE_UINT8"
+
+
+def test_infer_on_raw_pixels_answers_the_signatures_outputs(client):
+    batch = np.stack([RED_GREEN, RED_GREEN[::-1]])
+    result = client.infer("blob", [pixels_input(batch)])
+    assert result.as_numpy("num_detections").tolist() == [2.0, 2.0]
+    boxes, classes, scores = (result.as_numpy(n) for n in OUTPUTS[:3])
+    np.testing.assert_allclose(boxes[0, :2], [RED_BOX, GREEN_BOX], atol=1e-6)
+    np.testing.assert_allclose(boxes[1, 0], [1 - RED_BOX[2], RED_BOX[1], 1 - RED_BOX[0], RED_BOX[3]], atol=1e-6)
+    assert classes[0, :2].tolist() == [1.0, 2.0]
+    np.testing.assert_allclose(scores[0, :2], [0.9, 0.6], atol=1e-6)
+    assert result.get_response().model_version == "2"
+
+
+def test_infer_on_jpeg_bytes_answers_detections_as_the_http_route_does(client, server):
+    files = [encode(RED_GREEN), encode(BLUE, "JPEG", quality=95)]
+    outputs = [triton.InferRequestedOutput("num_detections"), triton.InferRequestedOutput("detections")]
+    result = client.infer("blob", [files_input(files)], outputs=outputs, parameters={"threshold": 0.5})
+    assert result.as_numpy("num_detections").tolist() == [2.0, 1.0]
+    answers = [json.loads(item) for item in result.as_numpy("detections")]
+    assert [d["class_id"] for d in answers[0]["detections"]] == [1, 2] and answers[1]["detections"] == []
+    _, _, detect = server.request("POST", "/detect?threshold=0.5", files[0], {"Content-Type": "image/png"})
+    assert detect["detections"] == answers[0]["detections"]
+
+
+def test_output_selection_and_max_detections(client):
+    result = client.infer("blob", [files_input([encode(RED_GREEN)])], parameters={"max_detections": 1},
+                          outputs=[triton.InferRequestedOutput("detections"),
+                                   triton.InferRequestedOutput("detection_scores")])
+    assert [o.name for o in result.get_response().outputs] == ["detections", "detection_scores"]
+    assert len(json.loads(result.as_numpy("detections")[0])["detections"]) == 1
+
+
+def test_a_version_not_served_and_an_unknown_model_are_not_found(client):
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("blob", [pixels_input(RED_GREEN[None])], model_version="1")
+    assert code_of(refused) == "NOT_FOUND" and "serves version 2" in refused.value.message()
+    with pytest.raises(InferenceServerException) as refused:
+        client.get_model_metadata("nope")
+    assert code_of(refused) == "NOT_FOUND" and "blob" in refused.value.message()
+    with pytest.raises(InferenceServerException) as refused:
+        client.is_model_ready("nope")
+    assert code_of(refused) == "NOT_FOUND"
+
+
+def test_the_clients_deadline_is_the_calls_deadline(client):
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("blob", [pixels_input(np.zeros((1, 1500, 1500, 3), np.uint8))], client_timeout=0.001)
+    assert code_of(refused) == "DEADLINE_EXCEEDED"
+    assert client.infer("blob", [pixels_input(RED_GREEN[None])]).as_numpy("num_detections").tolist() == [2.0]
+
+
+def test_the_repository_index_is_tritons(client):
+    index = client.get_model_repository_index(as_json=True)["models"]
+    assert [(m["name"], m["version"], m["state"]) for m in index] == [("blob", "2", "READY")]
+
+
+# The bad-input battery: INVALID_ARGUMENT within a second, the server still serving -------------------------
+
+def _tensor(name="input_tensor", datatype="UINT8", shape=(1, 2, 2, 3)):
+    return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=list(shape))
+
+
+def _request(*inputs, raw=(), outputs=(), **fields):
+    return service_pb2.ModelInferRequest(
+        model_name="blob", inputs=list(inputs), raw_input_contents=list(raw),
+        outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs], **fields)
+
+
+PIXELS = bytes(12)
+BAD_REQUESTS = {
+    "raw contents shorter than the shape": (_request(_tensor(), raw=[bytes(11)]), "12 bytes"),
+    "raw contents longer than the shape": (_request(_tensor(), raw=[bytes(13)]), "12 bytes"),
+    "a datatype that disagrees with the data": (_request(_tensor(datatype="FP32"), raw=[PIXELS]), "48 bytes"),
+    "a negative dimension": (_request(_tensor(shape=(1, -2, 2, 3)), raw=[PIXELS]), "at least 1"),
+    "a zero dimension": (_request(_tensor(shape=(0, 2, 2, 3)), raw=[b""]), "at least 1"),
+    "an enormous dimension": (_request(_tensor(shape=(1, 2**62, 2**62, 3)), raw=[PIXELS]), "bytes"),
+    "an enormous BYTES element count": (_request(_tensor("image", "BYTES", (2**40,)), raw=[bytes(8)]), "BYTES"),
+    "a BYTES length past the end": (_request(_tensor("image", "BYTES", (1,)), raw=[b"\xff\xff\xff\x7fabc"]),
+                                    "past the end"),
+    "a duplicated input name": (_request(_tensor(), _tensor(), raw=[PIXELS, PIXELS]), "duplicate input"),
+    "a duplicated output name": (_request(_tensor(), raw=[PIXELS], outputs=("num_detections", "num_detections")),
+                                 "duplicate output"),
+    "raw contents for some inputs only": (_request(_tensor(), _tensor("image", "BYTES", (1,)), raw=[PIXELS]),
+                                          "one per input"),
+    "no data at all": (_request(_tensor()), "no data"),
+    "typed contents of the wrong count": (
+        _request(service_pb2.ModelInferRequest.InferInputTensor(
+            name="input_tensor", datatype="UINT8", shape=[1, 2, 2, 3],
+            contents=service_pb2.InferTensorContents(uint_contents=[1, 2, 3]))), "3"),
+    "typed contents out of range": (
+        _request(service_pb2.ModelInferRequest.InferInputTensor(
+            name="input_tensor", datatype="UINT8", shape=[1, 1, 1, 3],
+            contents=service_pb2.InferTensorContents(uint_contents=[1, 2, 300]))), "from 0 to 255"),
+    "an unknown datatype": (_request(_tensor(datatype="UINT128"), raw=[PIXELS]), "datatype"),
+    "an unknown input": (_request(_tensor("pixels"), raw=[PIXELS]), "unknown input"),
+    "an unknown output": (_request(_tensor(), raw=[PIXELS], outputs=("boxes",)), "unknown output"),
+    "not an image": (_request(_tensor("image", "BYTES", (1,)), raw=[b"\x03\x00\x00\x00abc"]), "image"),
+    "no inputs": (_request(), "no inputs"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_input_is_invalid_argument_within_a_second(stub, client, name):
+    request, fragment = BAD_REQUESTS[name]
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(request, timeout=10)
+    assert time.monotonic() - started < 1.0
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert fragment in refused.value.details()
+    assert client.is_server_ready()
+
+
+def test_a_message_over_max_body_bytes_is_resource_exhausted(stub, client):
+    big = bytes(3 * 2**20)  # the shared server's max_body_bytes is 2 MiB
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(_request(_tensor(shape=(1, 1024, 1024, 3)), raw=[big]), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.is_server_ready()
