@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -195,3 +196,123 @@ def test_a_message_over_max_body_bytes_is_resource_exhausted(stub, client):
         stub.ModelInfer(_request(_tensor(shape=(1, 1024, 1024, 3)), raw=[big]), timeout=10)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.is_server_ready()
+
+
+# TF Serving's PredictionServiceStub and ModelServiceStub ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tf_channel(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        yield channel
+
+
+def test_tf_serving_predict_on_pixels(tf_channel):
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "blob"
+    request.model_spec.signature_name = "serving_default"
+    request.inputs["input_tensor"].CopyFrom(tf.make_tensor_proto(RED_GREEN[None]))
+    response = prediction_service_pb2_grpc.PredictionServiceStub(tf_channel).Predict(request, timeout=30)
+    assert set(response.outputs) == set(OUTPUTS)
+    assert tf.make_ndarray(response.outputs["num_detections"]).tolist() == [2.0]
+    np.testing.assert_allclose(tf.make_ndarray(response.outputs["detection_boxes"])[0, :2], [RED_BOX, GREEN_BOX],
+                               atol=1e-6)
+    assert response.model_spec.name == "blob" and response.model_spec.version.value == 2
+
+
+def test_tf_serving_predict_on_encoded_images_with_an_output_filter(tf_channel):
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "blob"
+    request.inputs["input_tensor"].CopyFrom(tf.make_tensor_proto([encode(RED_GREEN), encode(BLUE)]))
+    request.output_filter.append("num_detections")
+    response = prediction_service_pb2_grpc.PredictionServiceStub(tf_channel).Predict(request, timeout=30)
+    assert list(response.outputs) == ["num_detections"]
+    assert tf.make_ndarray(response.outputs["num_detections"]).tolist() == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("change, code, fragment", [
+    (lambda r: setattr(r.model_spec, "name", "nope"), "NOT_FOUND", "blob"),
+    (lambda r: r.model_spec.version.__setattr__("value", 1), "NOT_FOUND", "serves version 2"),
+    (lambda r: setattr(r.model_spec, "signature_name", "other"), "INVALID_ARGUMENT", "serving_default"),
+    (lambda r: r.output_filter.append("boxes"), "INVALID_ARGUMENT", "boxes"),
+    (lambda r: r.inputs["extra"].CopyFrom(r.inputs["input_tensor"]), "INVALID_ARGUMENT", "one input"),
+    (lambda r: r.inputs["input_tensor"].tensor_shape.dim[1].__setattr__("size", 49), "INVALID_ARGUMENT", "bytes"),
+    (lambda r: r.inputs["input_tensor"].tensor_shape.dim[1].__setattr__("size", -1), "INVALID_ARGUMENT", "negative"),
+])
+def test_tf_serving_refusals(tf_channel, change, code, fragment):
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "blob"
+    request.inputs["input_tensor"].CopyFrom(tf.make_tensor_proto(RED_GREEN[None]))
+    change(request)
+    with pytest.raises(grpc.RpcError) as refused:
+        prediction_service_pb2_grpc.PredictionServiceStub(tf_channel).Predict(request, timeout=30)
+    assert refused.value.code().name == code and fragment in refused.value.details()
+
+
+def test_tf_serving_model_status_and_metadata(tf_channel):
+    from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2, model_service_pb2_grpc,
+                                         prediction_service_pb2_grpc)
+
+    status = model_service_pb2_grpc.ModelServiceStub(tf_channel).GetModelStatus(
+        get_model_status_pb2.GetModelStatusRequest(model_spec={"name": "blob"}), timeout=30)
+    (version,) = status.model_version_status
+    assert version.version == 2 and version.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE
+    request = get_model_metadata_pb2.GetModelMetadataRequest(model_spec={"name": "blob"},
+                                                             metadata_field=["signature_def"])
+    metadata = prediction_service_pb2_grpc.PredictionServiceStub(tf_channel).GetModelMetadata(request, timeout=30)
+    signatures = get_model_metadata_pb2.SignatureDefMap()
+    metadata.metadata["signature_def"].Unpack(signatures)
+    serving = signatures.signature_def["serving_default"]
+    assert set(serving.inputs) == {"input_tensor"} and set(OUTPUTS) <= set(serving.outputs)
+    assert metadata.model_spec.version.value == 2
+
+
+# Health and reflection, with grpcio's own clients -------------------------------------------------------------
+
+def test_health_checks_the_server_each_service_and_each_model(tf_channel):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(tf_channel)
+    for name in ("", "inference.GRPCInferenceService", "tensorflow.serving.PredictionService", "blob"):
+        answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
+    with pytest.raises(grpc.RpcError) as refused:
+        health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+
+
+def test_reflection_lists_every_service_and_describes_them(tf_channel):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    database = ProtoReflectionDescriptorDatabase(tf_channel)
+    services = set(database.get_services())
+    assert {"inference.GRPCInferenceService", "tensorflow.serving.PredictionService",
+            "tensorflow.serving.ModelService", "grpc.health.v1.Health"} <= services
+    pool = DescriptorPool(database)
+    infer = pool.FindServiceByName("inference.GRPCInferenceService").FindMethodByName("ModelInfer")
+    assert infer.input_type.full_name == "inference.ModelInferRequest"
+    predict = pool.FindServiceByName("tensorflow.serving.PredictionService").FindMethodByName("Predict")
+    assert "inputs" in predict.input_type.fields_by_name
+
+
+def test_grpc_calls_are_counted_by_method_and_code(server, client):
+    client.is_server_live()
+    text = server.request("GET", "/metrics")[2].decode()
+    assert 'detect_grpc_requests_total{code="OK",method="/inference.GRPCInferenceService/ServerLive",model=""}' in text
+    assert 'code="INVALID_ARGUMENT",method="/inference.GRPCInferenceService/ModelInfer",model="blob"' in text
+
+
+def test_the_http_process_still_never_loads_tensorflow(server):
+    assert "libtensorflow" not in Path(f"/proc/{server.process.pid}/maps").read_text()

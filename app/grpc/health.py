@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..errors import NotFound
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -41,7 +42,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def Check(self, request, context):
         status = self.status(request.service)
         if status is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service or model {request.service[:100]!r}")
+            raise NotFound(f"no service or model named {request.service[:100]!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
     def Watch(self, request, context):
