@@ -47,6 +47,8 @@ class ServiceMetrics:
         self.grpc_latency = Histogram(
             "detect_grpc_request_duration_seconds", "Whole gRPC call latency in the server, by method and model.",
             ("method", "model"), buckets=LATENCY_BUCKETS, registry=r)
+        self.grpc_in_flight = Gauge("detect_grpc_inference_calls_in_flight",
+                                    "gRPC inference calls admitted and not yet answered.", registry=r)
         self.in_flight = Gauge("detect_http_requests_in_flight", "Requests received and not yet answered.",
                                registry=r)
         self.model_loads = Counter("detect_model_loads", "Model versions loaded into a worker.", ("model",), registry=r)
@@ -73,6 +75,10 @@ class ServiceMetrics:
     def watch_in_flight(self, count) -> None:
         """Report the requests in flight, `count()`, at scrape time."""
         self.in_flight.set_function(count)
+
+    def watch_grpc_in_flight(self, count) -> None:
+        """Report the gRPC inference calls in flight, `count()`, at scrape time."""
+        self.grpc_in_flight.set_function(count)
 
     def watch_models(self, models) -> None:
         """Report each model's state, worker memory, cap and queue depth from the registry at scrape time."""

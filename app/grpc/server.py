@@ -45,6 +45,7 @@ class GrpcServer:
     def __init__(self, app, settings):
         svc = app.extensions["detect"]
         self.admission = Admission(settings.http_threads, svc.lifecycle)
+        svc.metrics.watch_grpc_in_flight(lambda: self.admission.in_flight)
         threads = settings.http_threads + CONTROL_THREADS
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
