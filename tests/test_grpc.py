@@ -281,7 +281,7 @@ def test_health_checks_the_server_each_service_and_each_model(tf_channel):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     health = health_pb2_grpc.HealthStub(tf_channel)
-    for name in ("", "inference.GRPCInferenceService", "tensorflow.serving.PredictionService", "blob"):
+    for name in ("", "liveness", "inference.GRPCInferenceService", "tensorflow.serving.PredictionService", "blob"):
         answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
     with pytest.raises(grpc.RpcError) as refused:

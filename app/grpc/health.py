@@ -1,6 +1,7 @@
 """`grpc.health.v1.Health`: the server's readiness and each model's, for Kubernetes' `grpc:` probes and grpc-health-probe.
 
-The service "" (the whole server) and the name of each gRPC service on the port are SERVING while /readyz
+The name "liveness" is SERVING while the process answers at all, as /healthz (a Kubernetes liveness probe's
+service). The service "" (the whole server) and the name of each gRPC service on the port are SERVING while /readyz
 would answer 200: every preloaded model loaded, shutdown not begun. A model's name is SERVING while it can
 answer: loaded, or unloaded only for idleness (its next call loads it); NOT_SERVING while it loads, has
 failed or was unloaded by request. Any other name is NOT_FOUND, as the health protocol asks.
@@ -17,6 +18,7 @@ from ..errors import NotFound
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WATCH_POLL_S = 1.0
+LIVENESS = "liveness"  # SERVING while the process is up, as /healthz
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
@@ -29,6 +31,8 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def status(self, name: str):
         """The status of `name` (the server, a gRPC service, or a model); None for a name that is none of those."""
         svc = self._service
+        if name == LIVENESS:
+            return SERVING
         if name in self._names:
             draining = svc.lifecycle is not None and svc.lifecycle.draining
             return SERVING if svc.models.ready and not draining else NOT_SERVING
