@@ -316,3 +316,38 @@ def test_grpc_calls_are_counted_by_method_and_code(server, client):
 
 def test_the_http_process_still_never_loads_tensorflow(server):
     assert "libtensorflow" not in Path(f"/proc/{server.process.pid}/maps").read_text()
+
+
+# The status table ---------------------------------------------------------------------------------------------
+
+def _request_errors():
+    from app.errors import RequestError
+
+    def walk(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from walk(sub)
+
+    return list(walk(RequestError))
+
+
+def test_every_request_error_has_a_grpc_status_and_bad_input_is_invalid_argument():
+    from app import errors
+
+    codes = {cls: errors.grpc_status(cls("")) for cls in _request_errors()}
+    assert all(code in grpc.StatusCode.__members__ for code in codes.values()), codes
+    for cls in (errors.InvalidBody, errors.InvalidParameter, errors.InvalidImage, errors.ImageTooLarge,
+                errors.UnsupportedImageFormat):
+        assert codes[cls] == "INVALID_ARGUMENT", cls
+    assert (codes[errors.ModelNotFound], codes[errors.VersionNotFound]) == ("NOT_FOUND", "NOT_FOUND")
+    assert (codes[errors.ModelUnavailable], codes[errors.NotReady]) == ("UNAVAILABLE", "UNAVAILABLE")
+    assert (codes[errors.Overloaded], codes[errors.BodyTooLarge]) == ("RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED")
+    assert codes[errors.DeadlineExceeded] == "DEADLINE_EXCEEDED" and codes[errors.Forbidden] == "PERMISSION_DENIED"
+
+
+@pytest.mark.parametrize("peer, host", [("ipv4:127.0.0.1:5000", "127.0.0.1"), ("ipv6:[::1]:5000", "::1"),
+                                        ("ipv6:%5B::1%5D:5000", "::1"), ("unix:/tmp/s", None)])
+def test_the_peer_address_is_read_for_the_loopback_rule(peer, host):
+    from app.grpc.calls import peer_host
+
+    assert peer_host(peer) == host

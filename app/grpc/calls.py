@@ -16,6 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Optional
+from urllib.parse import unquote
 
 import grpc
 from flask import g
@@ -48,8 +49,9 @@ def method_group(method: str) -> str:
 
 
 def peer_host(peer: str) -> Optional[str]:
-    """The address of a gRPC peer string (ipv4:127.0.0.1:5000, ipv6:[::1]:5000), or None (unix sockets)."""
-    kind, _, rest = peer.partition(":")
+    """The address of a gRPC peer string (ipv4:127.0.0.1:5000, ipv6:[::1]:5000, which grpc may send
+    percent-encoded as ipv6:%5B::1%5D:5000), or None (unix sockets)."""
+    kind, _, rest = unquote(peer).partition(":")
     if kind == "ipv4":
         return rest.rsplit(":", 1)[0]
     if kind == "ipv6":
