@@ -128,6 +128,8 @@ def test_256_concurrent_calls_get_ok_or_an_immediate_refusal_then_sigterm_lets_c
             with ThreadPoolExecutor(256) as pool:
                 outcomes = list(pool.map(call, range(256)))
             codes = Counter(code for code, _ in outcomes)
+            print(f"256 concurrent calls: {dict(codes)}; slowest refusal "
+                  f"{max((s for c, s in outcomes if c != 'OK'), default=0):.2f} s")
             assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, codes
             assert codes["OK"] >= 8 and codes["RESOURCE_EXHAUSTED"] > 0, codes
             refused = [seconds for code, seconds in outcomes if code != "OK"]
@@ -206,6 +208,7 @@ def test_five_kills_of_a_worker_under_16_concurrent_grpc_callers_leave_every_cal
             thread.join(60)
         assert server.process.poll() is None
         codes = Counter(code for code, _ in outcomes)
+        print(f"{KILLS} kills under {CALLERS} callers: {dict(codes)}")
         # As on HTTP: every call OK, but for the documented UNAVAILABLE of a model whose worker is restarting.
         others = [(code, details) for code, details in outcomes
                   if code != "OK" and not (code == "UNAVAILABLE" and "unavailable" in details)]
