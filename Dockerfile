@@ -16,7 +16,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TF_CPP_MIN_LOG_LEVEL=2 \
     MPLCONFIGDIR=/tmp/matplotlib \
     DETECT_HOST=0.0.0.0 \
-    DETECT_PORT=8000
+    DETECT_PORT=8000 \
+    DETECT_GRPC_PORT=8001
 
 WORKDIR /srv/detect
 
@@ -39,7 +40,8 @@ RUN groupadd --system --gid 10001 detect \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /srv/detect --shell /usr/sbin/nologin detect
 USER 10001:10001
 
-EXPOSE 8000
+# HTTP, and gRPC (KServe v2, TF Serving, grpc.health.v1, reflection).
+EXPOSE 8000 8001
 # Twisted drains on SIGTERM (shutdown_grace_s, 20 s): give `docker stop` more, e.g. -t 30.
 STOPSIGNAL SIGTERM
 # Liveness only (/readyz says when the models are loaded and warm); Python's stdlib, no curl in the image.

@@ -267,3 +267,35 @@ def http_status(error: RequestError) -> int:
         if cls in HTTP_STATUS:
             return HTTP_STATUS[cls]
     return 500
+
+
+# The gRPC services' one table (app/grpc), by grpc.StatusCode name, most specific class first as above.
+# Bad input of any kind is INVALID_ARGUMENT, as Triton's and TF Serving's gRPC servers answer it; only the
+# message itself over max_body_bytes is RESOURCE_EXHAUSTED (gRPC's own answer to an over-long message).
+GRPC_STATUS: dict[type[RequestError], str] = {
+    BadRequest: "INVALID_ARGUMENT",
+    Forbidden: "PERMISSION_DENIED",
+    NotFound: "NOT_FOUND",
+    MethodNotAllowed: "UNIMPLEMENTED",
+    BodyTooLarge: "RESOURCE_EXHAUSTED",
+    PayloadTooLarge: "INVALID_ARGUMENT",
+    HeaderTooLarge: "RESOURCE_EXHAUSTED",
+    UnsupportedMediaType: "INVALID_ARGUMENT",
+    LoadFailed: "INVALID_ARGUMENT",
+    InferenceFailed: "INTERNAL",
+    InternalError: "INTERNAL",
+    NotReady: "UNAVAILABLE",
+    ModelUnavailable: "UNAVAILABLE",
+    InsufficientGpuMemory: "UNAVAILABLE",
+    Overloaded: "RESOURCE_EXHAUSTED",
+    OutOfMemory: "RESOURCE_EXHAUSTED",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_status(error: RequestError) -> str:
+    """Return the name of the grpc.StatusCode for a request error, from GRPC_STATUS."""
+    for cls in type(error).__mro__:
+        if cls in GRPC_STATUS:
+            return GRPC_STATUS[cls]
+    return "INTERNAL"

@@ -41,6 +41,14 @@ class ServiceMetrics:
                                     ("model",), buckets=LATENCY_BUCKETS, registry=r)
         self.out_of_memory = Counter("detect_out_of_memory", "Images that ran out of memory alone under the cap.",
                                      ("model",), registry=r)
+        # gRPC calls, by their full method name (/inference.GRPCInferenceService/ModelInfer) and status code name.
+        self.grpc_requests = Counter("detect_grpc_requests", "gRPC calls by method, status code and model.",
+                                     ("method", "code", "model"), registry=r)
+        self.grpc_latency = Histogram(
+            "detect_grpc_request_duration_seconds", "Whole gRPC call latency in the server, by method and model.",
+            ("method", "model"), buckets=LATENCY_BUCKETS, registry=r)
+        self.grpc_in_flight = Gauge("detect_grpc_inference_calls_in_flight",
+                                    "gRPC inference calls admitted and not yet answered.", registry=r)
         self.in_flight = Gauge("detect_http_requests_in_flight", "Requests received and not yet answered.",
                                registry=r)
         self.model_loads = Counter("detect_model_loads", "Model versions loaded into a worker.", ("model",), registry=r)
@@ -68,6 +76,10 @@ class ServiceMetrics:
         """Report the requests in flight, `count()`, at scrape time."""
         self.in_flight.set_function(count)
 
+    def watch_grpc_in_flight(self, count) -> None:
+        """Report the gRPC inference calls in flight, `count()`, at scrape time."""
+        self.grpc_in_flight.set_function(count)
+
     def watch_models(self, models) -> None:
         """Report each model's state, worker memory, cap and queue depth from the registry at scrape time."""
         self.registry.register(_ModelCollector(models))
@@ -75,6 +87,11 @@ class ServiceMetrics:
     def observe_request(self, route: str, status: int, seconds: float, model: str = "") -> None:
         self.requests.labels(route=route, status=str(status), model=model).inc()
         self.request_latency.labels(route=route, model=model).observe(seconds)
+
+    def observe_call(self, method: str, code: str, seconds: float, model: str = "") -> None:
+        """Record one gRPC call: its method, its status code's name (OK, INVALID_ARGUMENT...), its duration."""
+        self.grpc_requests.labels(method=method, code=code, model=model).inc()
+        self.grpc_latency.labels(method=method, model=model).observe(seconds)
 
     def observe_refusal(self, route: str, status: int, model: str = "") -> None:
         """Count a request refused before it reached the app (overload, shutdown)."""

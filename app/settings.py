@@ -126,6 +126,15 @@ def _origins(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(origins))
 
 
+def _port_or_off(value: Any) -> Optional[int]:
+    if str(value).strip().lower() == "off":
+        return None
+    try:
+        return _int_in(0, 65535)(value)
+    except ValueError:
+        raise ValueError("expected a TCP port from 0 to 65535, or off") from None
+
+
 def _log_level(value: Any) -> str:
     level = str(value).strip().upper()
     if level not in LOG_LEVELS:
@@ -151,6 +160,10 @@ class Settings:
 
     host: str = _setting("127.0.0.1", _text, "interface to listen on")
     port: int = _setting(8000, _int_in(0, 65535), "TCP port to listen on (0: any free port, logged at boot)")
+    # 8001, as Triton's: its gRPC clients and perf_analyzer default to it.
+    grpc_port: Optional[int] = _setting(
+        8001, _port_or_off, "TCP port of the gRPC services, KServe v2 and TF Serving (0: any free port; off: none)"
+    )
     model: str = _setting(
         "", _optional_text,
         "serve only this model: a base path (its highest version) or one version folder ('': the repository)"

@@ -48,7 +48,8 @@ def start(checkout: Path, model: Path, log: Path) -> ServerProcess:
     """
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    env.update(DETECT_PORT=str(port), DETECT_MODEL=str(model), TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(checkout))
+    env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT="off", DETECT_MODEL=str(model), TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=str(checkout))
     with log.open("wb") as handle:
         process = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=checkout, env=env,
                                    stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -9,7 +9,9 @@ each batch size, with one thread and with two (each decoding its own batch and r
 decoding overlaps model calls as in the server); the best is the ceiling.
 The images are generated scenes of --image-size (640x480 by default; 4032x3024 for phone photos),
 or the JPEG and PNG files of --images DIR.
-Writes bench.json and bench.png to the output folder. With --compare the sweep runs again with
+Writes bench.json and bench.png to the output folder. With --grpc it runs only the gRPC comparison: KServe
+v2 gRPC ModelInfer against v2 HTTP binary on the same JPEG, in one server, at 1 and 64 connections, each
+step alternated between the two protocols (bench-grpc.json). With --compare the sweep runs again with
 batching off (max_batch_size=1); with --compare-decode, again with decode_at_model_size off (every
 image decoded at full size). Exit status: 0 done (targets are reported, never enforced), 1 a
 --smoke sanity check failed, 2 the bench could not run.
@@ -128,6 +130,7 @@ class ServerProcess:
     process: subprocess.Popen
     port: int
     log_path: Path
+    grpc_port: Optional[int] = None
     _clock_ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
 
     @classmethod
@@ -137,7 +140,7 @@ class ServerProcess:
 
         notifications = Notifications()  # the server says "listening" and "ready" on it
         env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-        env.update({"DETECT_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2",
+        env.update({"DETECT_PORT": "0", "DETECT_GRPC_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2",
                     "DETECT_NOTIFY_FD": str(notifications.child_fd)})
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as handle:
@@ -152,7 +155,7 @@ class ServerProcess:
             while time.monotonic() < deadline:
                 listening = notifications.find("listening")
                 if listening is not None and notifications.find("ready") is not None:
-                    server = cls(process, listening["port"], log_path)
+                    server = cls(process, listening["port"], log_path, listening.get("grpc_port"))
                     server.wait_at_rest(config, deadline)
                     return server
                 if process.poll() is not None:
@@ -267,17 +270,19 @@ class StatsSampler:
 
 def drive(server: ServerProcess, images: Path, out: Path, label: str, connections: int, duration_s: float,
           requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
-          records: bool = False, arrivals: str = "uniform", v2_model: Optional[str] = None) -> dict:
+          records: bool = False, arrivals: str = "uniform", v2_model: Optional[str] = None,
+          grpc_model: Optional[str] = None) -> dict:
     """Run one load step against the server in a separate process; add server and machine figures.
 
-    With `v2_model`, the images go to /v2/models/<v2_model>/infer as binary BYTES inputs."""
+    With `v2_model`, the images go to /v2/models/<v2_model>/infer as binary BYTES inputs; with `grpc_model`,
+    to the gRPC port as KServe v2 ModelInfer calls."""
     load_before = load_average()
     before = server.stats()
     started = time.monotonic()
     with StatsSampler(server) as sampler:
-        process = loadgen.spawn(server.port, images, out, connections, duration_s, requests=requests, rate=rate,
-                                timeout_s=timeout_s, records=records, label=label, arrivals=arrivals,
-                                v2_model=v2_model)
+        process = loadgen.spawn(server.grpc_port if grpc_model else server.port, images, out, connections,
+                                duration_s, requests=requests, rate=rate, timeout_s=timeout_s, records=records,
+                                label=label, arrivals=arrivals, v2_model=v2_model, grpc_model=grpc_model)
         budget = (duration_s if requests is None else max(duration_s, 3600.0)) + timeout_s + 30
         result = loadgen.collect(process, out, budget)
     wall = time.monotonic() - started
@@ -448,6 +453,74 @@ def sweep(mode: str, settings: dict, args, images: Path, out: Path, v2_model: Op
     finally:
         code = server.stop()
     return {"mode": mode, "settings": effective, "server_exit": code, "steps": steps, "profile": profile}
+
+
+GRPC_CONNECTIONS = (1, 64)
+GRPC_ROUNDS = 2  # each step runs this many times per protocol, alternating, so drift hits both alike
+
+
+def grpc_comparison(settings: dict, args, images: Path, out: Path) -> dict:
+    """KServe v2 gRPC against v2 HTTP binary, one server, the same JPEG, at 1 and 64 connections.
+
+    Goals (issue 24): gRPC images/s at 64 connections at least 1.0 x HTTP's, and gRPC's p50 at 1 connection
+    no higher than HTTP's. The steps alternate between the protocols; each figure is the mean of its rounds
+    (p50 the median of the rounds' p50s)."""
+    import shutil
+    import statistics
+
+    name = args.model.parent.name if args.model.name.isdigit() else args.model.name
+    one = out / "grpc-image"
+    one.mkdir(parents=True, exist_ok=True)
+    first = sorted(p for p in images.iterdir() if p.suffix.lower() in loadgen.CONTENT_TYPES)[0]
+    shutil.copy(first, one / first.name)
+    config = out / "server-grpc.toml"
+    effective = write_settings(config, settings)
+    server = ServerProcess.start(config, out / "server-grpc.log")
+    rows = []
+    try:
+        print(f"  server pid {server.pid}: HTTP {server.port}, gRPC {server.grpc_port}; image {first.name}; warming up",
+              file=sys.stderr, flush=True)
+        drive(server, one, out / "loadgen-grpc-warmup.json", "warm-up http", 4, args.warmup, v2_model=name)
+        drive(server, one, out / "loadgen-grpc-warmup.json", "warm-up grpc", 4, args.warmup, grpc_model=name)
+        print(HEADER.replace("  conn", "  proto conn"), file=sys.stderr, flush=True)
+        for connections in GRPC_CONNECTIONS:
+            runs = {"http": [], "grpc": []}
+            for round_ in range(GRPC_ROUNDS):
+                for protocol in ("http", "grpc") if round_ % 2 == 0 else ("grpc", "http"):
+                    result = drive(server, one, out / f"loadgen-{protocol}-c{connections}-r{round_}.json",
+                                   f"{protocol} c={connections}", connections, args.duration,
+                                   timeout_s=args.request_timeout,
+                                   **({"grpc_model": name} if protocol == "grpc" else {"v2_model": name}))
+                    step = _step_figures(connections, result)
+                    runs[protocol].append(step)
+                    print(f"  {protocol:>5}", end="", file=sys.stderr)
+                    _print_row(step)
+            row = {"connections": connections}
+            for protocol, steps in runs.items():
+                row[protocol] = {
+                    "images_per_s": round(statistics.mean(s["images_per_s"] for s in steps), 2),
+                    "p50_ms": round(statistics.median(s["latency_ms"]["p50"] for s in steps), 2),
+                    "p99_ms": round(statistics.median(s["latency_ms"]["p99"] for s in steps), 2),
+                    "errors": sum(s["error_total"] for s in steps),
+                    "server_cpu_percent": round(statistics.mean(s["server_cpu_percent"] or 0 for s in steps), 1),
+                    "rounds": steps,
+                }
+            row["grpc_over_http_images_per_s"] = round(row["grpc"]["images_per_s"] / row["http"]["images_per_s"], 3) \
+                if row["http"]["images_per_s"] else None
+            rows.append(row)
+    finally:
+        code = server.stop()
+    at = {row["connections"]: row for row in rows}
+    goals = [
+        {"goal": "gRPC images/s at 64 connections >= 1.0 x HTTP's", "measured": at[64]["grpc_over_http_images_per_s"],
+         "met": (at[64]["grpc_over_http_images_per_s"] or 0) >= 1.0},
+        {"goal": "gRPC p50 at 1 connection <= HTTP's", "measured": f"{at[1]['grpc']['p50_ms']} ms vs "
+                                                                   f"{at[1]['http']['p50_ms']} ms",
+         "met": at[1]["grpc"]["p50_ms"] <= at[1]["http"]["p50_ms"]},
+    ]
+    return {"model": str(args.model), "image": first.name, "settings": effective, "server_exit": code,
+            "step_duration_s": args.duration, "rounds": GRPC_ROUNDS, "rows": rows, "goals": goals,
+            "load_average": load_average()}
 
 
 def _step_figures(connections: int, result: dict) -> dict:
@@ -734,6 +807,8 @@ def parse_args(argv):
     parser.add_argument("--compare", action="store_true", help="also sweep with batching off")
     parser.add_argument("--v2", action="store_true",
                         help="also sweep KServe v2's /v2/models/<name>/infer with binary BYTES inputs")
+    parser.add_argument("--grpc", action="store_true",
+                        help="only compare KServe v2 gRPC with v2 HTTP binary on one JPEG at 1 and 64 connections")
     parser.add_argument("--compare-decode", action="store_true",
                         help="also sweep with decode_at_model_size off (every image decoded at full size)")
     parser.add_argument("--image-size", type=_image_size, default=IMAGE_SIZE, metavar="WxH",
@@ -818,6 +893,20 @@ def main(argv=None) -> int:
             print(f"generating {width}x{height} JPEG scenes (kept for later runs)", file=sys.stderr, flush=True)
             images = make_images(out / ("images" if args.image_size == IMAGE_SIZE else f"images-{width}x{height}"),
                                  size=args.image_size)
+        if args.grpc:
+            print("\n== gRPC against HTTP (KServe v2, binary): the same JPEG, 1 and 64 connections", file=sys.stderr)
+            result = grpc_comparison({"model": str(args.model), "log_level": "INFO", **args.settings}, args, images,
+                                     out)
+            (out / "bench-grpc.json").write_text(json.dumps(result, indent=1))
+            print(f"\nwrote {out / 'bench-grpc.json'}", file=sys.stderr)
+            for row in result["rows"]:
+                print(f"  {row['connections']:3d} connections: HTTP {row['http']['images_per_s']} img/s p50 "
+                      f"{row['http']['p50_ms']} ms | gRPC {row['grpc']['images_per_s']} img/s p50 "
+                      f"{row['grpc']['p50_ms']} ms | gRPC/HTTP {row['grpc_over_http_images_per_s']}", file=sys.stderr)
+            for goal in result["goals"]:
+                print(f"  goal {'met' if goal['met'] else 'NOT met'}: {goal['goal']}: {goal['measured']}",
+                      file=sys.stderr)
+            return 0
         decode_on = decode_at_model_size(args.settings)
         print("measuring the in-process ceiling (decode + model, no HTTP)", file=sys.stderr, flush=True)
         ceiling = run_ceiling(args.model, images, out / "ceiling.json", args.ceiling_batches, args.ceiling_seconds,

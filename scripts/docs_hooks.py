@@ -203,14 +203,16 @@ def errors_reference() -> str:
     from app.http.errors import status_of
     from app.http.paths import DETECT, V1, V2
 
-    lines = ["| code | `/detect`, `/models`, `/gpu` | `/v2` (KServe) | `/v1` (TF Serving) | Retry-After | meaning |",
-             "|---|---|---|---|---|---|"]
+    from app.errors import grpc_status
+
+    lines = ["| code | `/detect`, `/models`, `/gpu` | `/v2` (KServe) | `/v1` (TF Serving) | gRPC (both) | Retry-After | "
+             "meaning |", "|---|---|---|---|---|---|---|"]
     for cls in _request_errors():
         error = cls("")
         retry = f"{cls.retry_after_s} s" if getattr(cls, "retry_after_s", None) is not None else ""
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         lines.append(f"| `{cls.code}` | {status_of(error, DETECT)} | {status_of(error, V2)} | "
-                     f"{status_of(error, V1)} | {retry} | {_escape(doc)} |")
+                     f"{status_of(error, V1)} | `{grpc_status(error)}` | {retry} | {_escape(doc)} |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,10 @@ the duration or the request count is reached; the requests in flight then finish
 timeout). With `--rate`, the connections take send times from one shared schedule of slots, evenly
 spaced or, with `--arrivals poisson`, at exponential gaps (seeded) as from many independent
 clients; the offered load is the rate as long as a connection is free at each slot (a late send is
-counted, never dropped). Each image is POSTed as a raw `image/jpeg` (or png) body.
+counted, never dropped). Each image is POSTed as a raw `image/jpeg` (or png) body; with `--v2-model`, as
+a KServe v2 binary request; with `--grpc-model`, as a KServe v2 gRPC ModelInfer call (the same BYTES input
+`image` and output `detections`), one gRPC channel (HTTP/2 connection) per connection, OK counted as 200,
+RESOURCE_EXHAUSTED and UNAVAILABLE as 503, DEADLINE_EXCEEDED as 504, anything else as 500.
 
 It reports counts per status, connection failures by kind (refused, reset, closed before a whole
 answer, timeout, protocol), latency percentiles, throughput and its own CPU time; with `--records`,
@@ -56,6 +59,7 @@ class LoadPlan:
     path: str = "/detect"
     # With KServe v2 binary bodies: each body's JSON header length, sent as Inference-Header-Content-Length.
     header_lengths: tuple[int, ...] = ()
+    grpc: bool = False  # the bodies are serialized ModelInferRequests, sent to the gRPC port `port`
 
     def check(self) -> None:
         """Raise ValueError if a bound is out of range."""
@@ -155,7 +159,56 @@ class _Connection:
             await self.reader.readexactly(size + 2)
 
 
+GRPC_AS_HTTP = {"OK": 200, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+                "INVALID_ARGUMENT": 400, "NOT_FOUND": 404}
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class _GrpcConnection:
+    """One gRPC channel (one HTTP/2 connection) calling ModelInfer with pre-serialized requests."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.writer = None  # the channel, once open (named as _Connection's, which _one checks)
+        self._call = None
+
+    async def open(self) -> None:
+        import grpc
+
+        self.writer = grpc.aio.insecure_channel(f"{HOST}:{self.port}")
+        self._call = self.writer.unary_unary(MODEL_INFER)  # bytes in, bytes out: no parsing on this side
+
+    def close(self) -> None:
+        if self.writer is not None:
+            asyncio.ensure_future(self.writer.close())
+        self.writer = self._call = None
+
+    async def exchange(self, head: bytes, body: bytes) -> tuple[int, dict]:
+        import grpc
+
+        try:
+            await self._call(body)
+            return 200, {"grpc-status": "OK"}
+        except grpc.aio.AioRpcError as exc:
+            return GRPC_AS_HTTP.get(exc.code().name, 500), {"grpc-status": exc.code().name}
+
+
+def grpc_infer_request(model: str, image: bytes) -> bytes:
+    """One image file as a serialized KServe v2 ModelInferRequest: the BYTES input `image` (a 4-byte
+    little-endian length, then the file) and the output `detections`, as v2_binary_request sends it over HTTP."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from app.grpc.protos import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(
+        model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(name="image", datatype="BYTES", shape=[1])],
+        outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="detections")],
+        raw_input_contents=[len(image).to_bytes(4, "little") + image])
+    return request.SerializeToString()
+
+
 def _request_heads(plan: LoadPlan) -> list[bytes]:
+    if plan.grpc:
+        return [b""] * len(plan.bodies)
     lengths = plan.header_lengths or (None,) * len(plan.bodies)
     return [
         (f"POST {plan.path} HTTP/1.1\r\nHost: {HOST}:{plan.port}\r\nContent-Type: {kind}\r\n"
@@ -218,7 +271,7 @@ async def _run(plan: LoadPlan, progress: Optional[str]) -> dict:
         return k, slot
 
     async def worker() -> None:
-        conn = _Connection(plan.port)
+        conn = _GrpcConnection(plan.port) if plan.grpc else _Connection(plan.port)
         try:
             while True:
                 claimed = next_send()
@@ -252,7 +305,7 @@ async def _run(plan: LoadPlan, progress: Optional[str]) -> dict:
             if headers.get("connection", "").lower() == "close":
                 tally.server_closes += 1
                 conn.close()
-            if status == 503 and "retry-after" not in headers:
+            if status == 503 and "retry-after" not in headers and "grpc-status" not in headers:
                 tally.retry_after_missing += 1
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, TimeoutError,
                 asyncio.LimitOverrunError, _ProtocolError, ValueError) as exc:
@@ -378,13 +431,16 @@ def read_bodies(folder: Path) -> tuple[tuple[bytes, str], ...]:
 def spawn(port: int, images: Path, out: Path, connections: int, duration_s: float,
           requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
           start_delay_s: float = 0.0, records: bool = False, label: Optional[str] = None,
-          arrivals: str = "uniform", seed: int = 0, v2_model: Optional[str] = None) -> subprocess.Popen:
+          arrivals: str = "uniform", seed: int = 0, v2_model: Optional[str] = None,
+          grpc_model: Optional[str] = None) -> subprocess.Popen:
     """Start the load generator in a process of its own, writing its JSON summary to `out`."""
     args = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--images", str(images),
             "--connections", str(connections), "--duration", f"{duration_s:g}", "--timeout", f"{timeout_s:g}",
             "--out", str(out)]
     if v2_model:
         args += ["--v2-model", v2_model]
+    if grpc_model:
+        args += ["--grpc-model", grpc_model]
     if requests is not None:
         args += ["--requests", str(requests)]
     if rate is not None:
@@ -418,6 +474,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--path", default="/detect")
     parser.add_argument("--v2-model", metavar="NAME", default=None,
                         help="POST each image to /v2/models/NAME/infer as a binary BYTES input instead")
+    parser.add_argument("--grpc-model", metavar="NAME", default=None,
+                        help="call KServe v2 gRPC ModelInfer on NAME instead (--port is then the gRPC port)")
     parser.add_argument("--connections", "-c", type=int, default=1)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load (at most 3600)")
     parser.add_argument("--requests", "-n", type=int, default=None, help="stop after this many requests")
@@ -437,10 +495,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         wrapped = [v2_binary_request(body) for body, _ in bodies]
         bodies = tuple((body, "application/octet-stream") for body, _ in wrapped)
         lengths, path = tuple(length for _, length in wrapped), f"/v2/models/{args.v2_model}/infer"
+    if args.grpc_model:
+        bodies = tuple((grpc_infer_request(args.grpc_model, body), "application/grpc") for body, _ in bodies)
+        path = MODEL_INFER
     plan = LoadPlan(port=args.port, bodies=bodies, connections=args.connections,
                     duration_s=args.duration, requests=requests, rate=args.rate, arrivals=args.arrivals,
                     seed=args.seed, timeout_s=args.timeout, start_delay_s=args.start_delay, path=path,
-                    header_lengths=lengths)
+                    header_lengths=lengths, grpc=bool(args.grpc_model))
     try:
         plan.check()
     except ValueError as exc:

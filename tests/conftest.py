@@ -138,6 +138,7 @@ class Server:
     process: subprocess.Popen
     port: int
     log_path: Path
+    grpc_port: int | None = None  # None where DETECT_GRPC_PORT is off
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
                 timeout: float = 60.0):
@@ -180,7 +181,7 @@ def no_server_outlives_the_session():
 
 def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = True,
                  timeout: float = 180.0) -> Server:
-    """Start the service with DETECT_* settings from `env` on port 0; wait until it listens (and is ready).
+    """Start the service with DETECT_* settings from `env` on port 0 (gRPC too); wait until it listens (and is ready).
 
     The server says "listening" and "ready" on its notify descriptor, as it does to the fleet.
     """
@@ -188,7 +189,7 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
 
     notifications = Notifications()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    full_env.update({"DETECT_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2",
+    full_env.update({"DETECT_PORT": "0", "DETECT_GRPC_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2",
                      "DETECT_NOTIFY_FD": str(notifications.child_fd), **env})
     with log_path.open("wb") as handle:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
@@ -202,7 +203,7 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
         while time.monotonic() < deadline:
             listening = notifications.find("listening")
             if listening is not None and (not ready or notifications.find("ready") is not None):
-                return Server(process, listening["port"], log_path)
+                return Server(process, listening["port"], log_path, listening.get("grpc_port"))
             if process.poll() is not None:
                 raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text(errors='replace')}")
             time.sleep(0.05)

@@ -151,8 +151,10 @@ def test_each_group_gets_a_deployment_service_budget_and_settings(rendered, name
         assert deployment["spec"]["selector"]["matchLabels"].items() <= pods.items()
         assert services[full]["spec"]["selector"].items() <= pods.items()
         assert objects(rendered, name, "PodDisruptionBudget")[full]["spec"]["selector"]["matchLabels"].items() <= pods.items()
-        (port,) = services[full]["spec"]["ports"]
-        assert port["targetPort"] == container(deployment)["ports"][0]["name"] == "http"
+        http, grpc = services[full]["spec"]["ports"]
+        assert http["targetPort"] == container(deployment)["ports"][0]["name"] == "http"
+        assert grpc["targetPort"] == container(deployment)["ports"][1]["name"] == "grpc"
+        assert grpc["appProtocol"] == "kubernetes.io/h2c"
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -180,13 +182,30 @@ def test_probes_and_the_grace_period_cover_loading_and_draining(rendered, name):
         ctr = container(deployment)
         _, settings = settings_file(deployment, objects(rendered, name, "ConfigMap"))
         assert ctr["startupProbe"]["httpGet"]["path"] in {"/readyz", "/v2/health/ready"}
-        assert ctr["readinessProbe"]["httpGet"]["path"] in {"/readyz", "/v2/health/ready"}
-        assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        # Kubernetes' gRPC probes on grpc.health.v1: "" is /readyz's answer, "liveness" /healthz's.
+        grpc_port = container(deployment)["ports"][1]["containerPort"]
+        assert ctr["readinessProbe"]["grpc"] == {"port": grpc_port, "service": ""}
+        assert ctr["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "liveness"}
+        assert settings["grpc_port"] == grpc_port
         startup = ctr["startupProbe"]["periodSeconds"] * ctr["startupProbe"]["failureThreshold"]
         assert startup >= 300, "a model takes minutes to load on a cold node"
         pre_stop = ctr["lifecycle"]["preStop"]["sleep"]["seconds"]
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > pre_stop + settings.get("shutdown_grace_s", 20.0)
+
+
+def test_without_a_grpc_port_the_pods_probe_over_http_and_the_service_has_one_port():
+    out = helm_template(None, "service.grpcPort=null")
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    ctr = container(deployment)
+    assert [p["name"] for p in ctr["ports"]] == ["http"]
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/readyz" and ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert 'grpc_port = "off"' in next(iter(configmap["data"].values()))
 
 
 def test_the_default_pod_asks_for_one_whole_gpu_on_a_node_whose_labels_match_the_budget(rendered):
@@ -318,7 +337,8 @@ def test_all_options_adds_a_service_monitor_an_autoscaler_and_a_network_policy_t
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.items()
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["egress"] == []
     (ingress,) = policy["spec"]["ingress"]
-    assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}] and len(ingress["from"]) == 2
+    assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]
+    assert len(ingress["from"]) == 2
 
     assert container(deployment)["image"].endswith("@" + values_of("all-options")["image"]["digest"])
     assert objects(rendered, "all-options", "PodDisruptionBudget")[full]["spec"] == {
@@ -376,7 +396,7 @@ def test_the_serving_runtime_has_kserves_required_fields_and_speaks_v2_on_8080()
     runtime = _one(RUNTIME)
     assert (runtime["apiVersion"], runtime["kind"]) == ("serving.kserve.io/v1alpha1", "ClusterServingRuntime")
     spec = runtime["spec"]
-    assert spec["protocolVersions"] == ["v2"]
+    assert spec["protocolVersions"] == ["v2", "grpc-v2"]
     assert {"name": "tensorflow", "version": "2", "autoSelect": False} in spec["supportedModelFormats"]
     assert all(f.get("name") for f in spec["supportedModelFormats"])  # the CRD's one required field
     (ctr,) = spec["containers"]  # the CRD requires containers; KServe runs the one named kserve-container
@@ -390,6 +410,9 @@ def test_the_serving_runtime_has_kserves_required_fields_and_speaks_v2_on_8080()
         assert ctr[probe]["httpGet"]["port"] == 8080 and ctr[probe]["httpGet"]["path"] in PROBE_ROUTES
     assert ctr["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert ctr["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # Its gRPC port, as KServe's Triton runtime has it: v2 gRPC on 9000, which an InferenceService names h2c.
+    assert "grpc-v2" in spec["protocolVersions"]
+    assert {e["name"]: e["value"] for e in ctr["env"]}["DETECT_GRPC_PORT"] == "9000"
     assert ctr["securityContext"]["runAsNonRoot"] is True and ctr["securityContext"]["readOnlyRootFilesystem"] is True
 
 
@@ -450,7 +473,7 @@ def test_the_service_accepts_the_kserve_runtimes_environment():
     from app.settings import load_settings
 
     settings = load_settings(config_path=ROOT / "config" / "default.toml", environ=_kserve_environ())
-    assert settings.port == 8080 and settings.host == "0.0.0.0"
+    assert settings.port == 8080 and settings.host == "0.0.0.0" and settings.grpc_port == 9000
 
 
 # --- Alerts ---------------------------------------------------------------------------------------------------

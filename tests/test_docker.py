@@ -105,6 +105,7 @@ def test_the_image_is_the_pinned_tensorflow_gpu_one_run_as_a_user_stopped_by_sig
     assert "/healthz" in " ".join(exec_form("HEALTHCHECK"))
     env = image_env()
     assert env["DETECT_HOST"] == "0.0.0.0"  # reachable through -p from outside the container
+    assert keywords["EXPOSE"].split() == [env["DETECT_PORT"], env["DETECT_GRPC_PORT"]]  # HTTP, then gRPC
     # The baked-in config file decides what the repository serves, and under which caps; a variable would
     # beat its [models.*] tables, so the image sets none of those.
     assert not {"DETECT_MODEL", "DETECT_GPU_MEMORY", "DETECT_MODEL_REPOSITORY"} & set(env)
@@ -125,6 +126,7 @@ def test_compose_runs_two_instances_on_one_gpu_each_with_its_cap_and_port():
     assert re.findall(r"^  (\w+):$", services, re.MULTILINE) == ["faces", "shapes"]
     assert len(re.findall(r"DETECT_GPU_MEMORY: (\S+)", text)) == 2
     assert sorted(re.findall(r'"(\d+):8000"', text)) == ["8001", "8002"]
+    assert sorted(re.findall(r'"(\d+):8001"', text)) == ["9001", "9002"]  # gRPC, the fleet file's ports
     assert 'device_ids: ["0"]' in text and "driver: nvidia" in text and "capabilities: [gpu]" in text
     grace = int(re.search(r"stop_grace_period: (\d+)s", text).group(1))
     assert grace > Settings().shutdown_grace_s
@@ -135,7 +137,7 @@ def test_the_entry_command_serves_as_the_container_would(blob_model_dir, tmp_pat
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env.update(image_env())
-    env.update(DETECT_PORT=str(port), DETECT_MODEL=str(blob_model_dir))
+    env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT="0", DETECT_MODEL=str(blob_model_dir))
     log_path = tmp_path / "container.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(as_here(exec_form("ENTRYPOINT") + exec_form("CMD")), cwd=ROOT, env=env,

@@ -273,8 +273,11 @@ def workdir(tmp_path_factory) -> Path:
     return folder
 
 
-def run_step(step: Step, block: Block, port: int, workdir: Path) -> subprocess.CompletedProcess:
+def run_step(step: Step, block: Block, port: int, workdir: Path, grpc_port: int | None = None
+             ) -> subprocess.CompletedProcess:
     command = step.command.replace("localhost:8000", f"localhost:{port}").replace(".venv/bin/python", "python")
+    if grpc_port is not None:  # the gRPC examples name serve's default gRPC port, 8001
+        command = command.replace("localhost:8001", f"localhost:{grpc_port}")
     expected_exit = int(block.options.get("exit", 0))
     if expected_exit == 0:  # a 4xx or 5xx answer fails the step, and its body is shown
         command = re.sub(r"(^|\n|&&\s*|\|\s*)curl ", r"\1curl -sS --fail-with-body ", command)
@@ -289,13 +292,14 @@ def test_the_documented_examples_run_and_answer_as_shown(page, example_server, w
     for block in (b for b in ALL_BLOCKS if b.page == page):
         where = f"{block.page}:{block.line}"
         if block.lang == "python":
-            code = block.body.replace("localhost:8000", f"localhost:{example_server.port}")
+            code = block.body.replace("localhost:8000", f"localhost:{example_server.port}").replace(
+                "localhost:8001", f"localhost:{example_server.grpc_port}")
             result = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True,
                                     timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
             assert result.returncode == 0, f"{where}: the Python example failed:\n{result.stderr[-3000:]}"
             continue
         for step in block.steps():
-            result = run_step(step, block, example_server.port, workdir)
+            result = run_step(step, block, example_server.port, workdir, example_server.grpc_port)
             expected_exit = int(block.options.get("exit", 0))
             assert result.returncode == expected_exit, (
                 f"{where}: `{step.command.strip()}` exited {result.returncode}, not {expected_exit}:\n"

@@ -83,6 +83,16 @@ def test_an_instance_setting_reaches_its_process_as_detect_variables():
     env = instance.env()
     assert env["DETECT_HTTP_THREADS"] == "4" and env["DETECT_GPU_MEMORY"] == "4096MiB"
     assert (env["DETECT_PORT"], env["DETECT_MODEL"], env["DETECT_GPUS"]) == ("8001", "models/faces", "0")
+    assert env["DETECT_GRPC_PORT"] == "off"  # serve's default, 8001, is one port: an instance has one if it asks
+
+
+def test_an_instances_grpc_port_is_its_own_and_collides_with_no_other_port():
+    (instance,) = _config({**FACES, "grpc_port": 9001}).instances
+    assert instance.env()["DETECT_GRPC_PORT"] == "9001"
+    with pytest.raises(ConfigError, match="'faces' and 'shapes' both ask for port 8001"):
+        _config({**FACES, "grpc_port": 9001}, {**SHAPES, "grpc_port": 8001})
+    with pytest.raises(ConfigError, match="asks for port 8001 for both HTTP and gRPC"):
+        _config({**FACES, "grpc_port": 8001})
 
 
 # The budget.
@@ -141,8 +151,8 @@ def test_dry_run_prints_the_plan_and_exits_0_when_it_fits_2_when_not():
     fits = _fleet_cli("--config", "config/fleet.toml", "--dry-run", "--gpu-total-mib", "16384")
     assert fits.returncode == 0, fits.stderr
     header, faces, shapes = fits.stdout.splitlines()[:3]
-    assert header.split() == ["instance", "port", "model", "GPU", "cap", "budget"]
-    assert faces.split() == ["faces", "8001", "models/faces", "0", "4096", "MiB", "4596", "MiB"]
+    assert header.split() == ["instance", "port", "gRPC", "model", "GPU", "cap", "budget"]
+    assert faces.split() == ["faces", "8001", "9001", "models/faces", "0", "4096", "MiB", "4596", "MiB"]
     assert "needs 7144 MiB" in fits.stdout and "16384 MiB available -> fits" in fits.stdout
     over = _fleet_cli("--config", "config/fleet.toml", "--dry-run", "--gpu-total-mib", "6000")
     assert over.returncode == 2

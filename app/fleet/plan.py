@@ -7,11 +7,13 @@ A fleet file is TOML::
     name = "faces"
     model = "models/faces"
     port = 8001
+    grpc_port = 9001                # optional; without it the instance has no gRPC port (off)
     gpu_memory = "4GiB"             # same forms as DETECT_GPU_MEMORY
     # gpus = "0"                    # optional, as DETECT_GPUS
 
 Every instance key but `name` is a serve setting; the fleet hands them to the instance as DETECT_*
-variables. The budget rule, per GPU: the sum of the caps of the instances that may use it, plus one
+variables. An instance's gRPC port is off unless it gives `grpc_port`: serve's default, 8001, is one
+port for one process, and the example fleet's HTTP ports start there. The budget rule, per GPU: the sum of the caps of the instances that may use it, plus one
 `gpu_overhead_mib` per instance, must fit in the GPU's memory (NVML's total less what the driver
 reserves, or `--gpu-total-mib`).
 """
@@ -67,12 +69,13 @@ class InstanceSpec:
     gpus: Optional[tuple[int, ...]]  # as DETECT_GPUS: None every GPU, () none
     settings: tuple[tuple[str, str], ...]  # every serve setting given, raw, for DETECT_* variables
     host: str = "127.0.0.1"
+    grpc_port: Optional[int] = None  # None: off (the fleet's default), 0: any free port
 
     def env(self) -> dict[str, str]:
         """Return the DETECT_* variables that make `python -m app serve` this instance."""
         values = dict(self.settings)
         values.update(model=self.model, port=str(self.port), gpu_memory=str(self.gpu_memory),
-                      gpus=_gpus_text(self.gpus))
+                      gpus=_gpus_text(self.gpus), grpc_port="off" if self.grpc_port is None else str(self.grpc_port))
         return {env_name(key): value for key, value in values.items()}
 
 
@@ -173,6 +176,7 @@ def _instance(where: str, number: int, table: Any) -> InstanceSpec:
         gpu_memory=parsed.get("gpu_memory", defaults["gpu_memory"]),
         gpus=parsed.get("gpus", defaults["gpus"]),
         host=parsed.get("host", defaults["host"]),
+        grpc_port=parsed.get("grpc_port"),
         settings=tuple((key, str(raw)) for key, raw in table.items() if key != "name"),
     )
 
@@ -186,13 +190,14 @@ def _check_unique(where: str, instances: Sequence[InstanceSpec]) -> None:
                 f"{where}: instances {names[instance.name]} and {number} are both named {instance.name!r}"
             )
         names[instance.name] = number
-        if instance.port == 0:
-            continue  # each gets its own free port
-        if instance.port in ports:
-            raise ConfigError(
-                f"{where}: instances {ports[instance.port]!r} and {instance.name!r} both ask for port {instance.port}"
-            )
-        ports[instance.port] = instance.name
+        if instance.port and instance.port == instance.grpc_port:
+            raise ConfigError(f"{where}: instance {instance.name!r} asks for port {instance.port} for both HTTP and gRPC")
+        for port in (instance.port, instance.grpc_port):
+            if not port:
+                continue  # off, or 0: each gets its own free port
+            if port in ports:
+                raise ConfigError(f"{where}: instances {ports[port]!r} and {instance.name!r} both ask for port {port}")
+            ports[port] = instance.name
 
 
 @dataclass(frozen=True)
@@ -271,12 +276,13 @@ class Plan:
 
     def table(self) -> str:
         rows = [
-            [p.instance.name, str(p.instance.port or "any"), p.instance.model,
+            [p.instance.name, str(p.instance.port or "any"),
+             "off" if p.instance.grpc_port is None else str(p.instance.grpc_port or "any"), p.instance.model,
              "-" if p.gpu is None else str(p.gpu), p.cap_text(),
              "-" if p.budget_mib is None else f"{p.budget_mib} MiB"]
             for p in self.placements
         ]
-        return format_table(["instance", "port", "model", "GPU", "cap", "budget"], rows)
+        return format_table(["instance", "port", "gRPC", "model", "GPU", "cap", "budget"], rows)
 
 
 def make_plan(config: FleetConfig, gpus: Optional[Sequence[Gpu]]) -> Plan:

@@ -2,7 +2,7 @@
 
 The site's admission, /readyz and the shutdown sequence all ask this object; only the composition
 root moves it on. It also tells a supervising process (the fleet) what happened, as JSON lines on the
-`notify_fd` descriptor: {"event": "listening", "host", "port"}, {"event": "ready"}, {"event": "draining"}.
+`notify_fd` descriptor: {"event": "listening", "host", "port", "grpc_port" (where gRPC is on)}, {"event": "ready"}, {"event": "draining"}.
 """
 
 from __future__ import annotations
@@ -44,9 +44,12 @@ class Lifecycle:
         self.notify({"event": phase if phase != "serving" else "ready"})
         return True
 
-    def listening(self, host: str, port: int) -> None:
-        """The port is bound."""
-        self.notify({"event": "listening", "host": host, "port": port})
+    def listening(self, host: str, port: int, grpc_port: Optional[int] = None) -> None:
+        """The port is bound (and the gRPC port, where there is one)."""
+        event = {"event": "listening", "host": host, "port": port}
+        if grpc_port is not None:
+            event["grpc_port"] = grpc_port
+        self.notify(event)
 
     def serving(self) -> bool:
         """Every preloaded model is ready; return False if that was already said."""

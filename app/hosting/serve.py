@@ -7,8 +7,12 @@ TensorFlow creates any tensor, loads and warms the model) while /readyz answers 
 that fails its first load stops the server with exit 2, as a bad model always did. The HTTP process
 itself never imports TensorFlow.
 
+The gRPC services (app/grpc), unless grpc_port is off, listen beside the HTTP port in the same process,
+over the same app and models; the notify channel's "listening" event carries both ports.
+
 SIGTERM or SIGINT: /readyz turns 503, new inference requests get 503, those in flight finish (up to
-shutdown_grace_s), the port closes, every worker is stopped, exit 0.
+shutdown_grace_s), the port closes; the gRPC port stops taking calls at once and lets those in flight
+finish within the same grace; every worker is stopped, exit 0.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class Server:
     site: Any
     pools: list
     nvml: Any
+    grpc: Any = None  # app.grpc.server.GrpcServer, or None with grpc_port off
     status: int = 0
 
 
@@ -133,7 +138,12 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     lifecycle = Lifecycle(settings.notify_fd)
     app = create_app(settings, registry, gpu, metrics, lifecycle)
     site, pools = _site(settings, app, registry, metrics, lifecycle)
-    return Server(settings, registry, gpu, metrics, lifecycle, site, pools, nvml)
+    grpc_server = None
+    if settings.grpc_port is not None:
+        from ..grpc.server import GrpcServer
+
+        grpc_server = GrpcServer(app, settings)
+    return Server(settings, registry, gpu, metrics, lifecycle, site, pools, nvml, grpc_server)
 
 
 def _known_models(settings: Settings, repository) -> list[str]:
@@ -231,6 +241,13 @@ def _tls_options(settings: Settings):
                          f"its private key ({type(exc).__name__})") from None
 
 
+def _grpc_tls(settings: Settings) -> Optional[tuple[bytes, bytes]]:
+    """The gRPC port's (key, certificate) PEM pair: the same files as HTTPS; None for plain gRPC."""
+    if not settings.tls_cert_file:
+        return None
+    return Path(settings.tls_key_file).read_bytes(), Path(settings.tls_cert_file).read_bytes()
+
+
 def _log_access(settings: Settings) -> None:
     """Say at boot who may use the control routes, naming the restricted groups and headers, never values."""
     from ..http.access import MODEL_REPOSITORY, parse_restricted_api
@@ -245,7 +262,7 @@ def _log_access(settings: Settings) -> None:
 
 def run(server: Server) -> int:
     """Bind, start the models, and run the reactor until shutdown; return the exit status."""
-    from twisted.internet import reactor, task, threads
+    from twisted.internet import defer, reactor, task, threads
     from twisted.internet.error import CannotListenError
 
     settings = server.settings
@@ -265,10 +282,22 @@ def run(server: Server) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.socketError}", file=sys.stderr)
         return 1
     address = port.getHost()
-    server.lifecycle.listening(address.host, address.port)
+    grpc_port = None
+    if server.grpc is not None:
+        try:
+            grpc_port = server.grpc.bind(settings.host, settings.grpc_port, _grpc_tls(settings))
+        except (OSError, RuntimeError) as exc:
+            log.error("cannot listen for gRPC on %s:%d: %s", settings.host, settings.grpc_port, exc)
+            print(f"error: cannot listen for gRPC on {settings.host}:{settings.grpc_port}: {exc}", file=sys.stderr)
+            return 1
+        server.grpc.start()
+    server.lifecycle.listening(address.host, address.port, grpc_port)
     log.info("listening on %s://%s:%d (models %s; default %s)", "http" if tls is None else "https", address.host,
              address.port, ", ".join(server.registry.names()),
              server.registry.default_name() or "none (set default_model)")
+    if grpc_port is not None:
+        log.info("gRPC (KServe v2, TF Serving, health, reflection) on %s:%d%s", settings.host, grpc_port,
+                 " with TLS" if tls is not None else "")
     _log_access(settings)
     if not settings.decode_at_model_size:
         log.info("decoding images at full size (decode_at_model_size is off)")
@@ -293,7 +322,10 @@ def run(server: Server) -> int:
         if server.lifecycle.begin_draining():
             log.info("shutting down: not ready, refusing new work, %d request(s) in flight (%d inference)",
                      server.site.in_flight, server.site.inference_in_flight)
-        drained = server.site.drain(port, settings.shutdown_grace_s)
+        drains = [server.site.drain(port, settings.shutdown_grace_s)]
+        if server.grpc is not None:
+            drains.append(threads.deferToThread(server.grpc.drain, settings.shutdown_grace_s))
+        drained = defer.gatherResults(drains)
         drained.addCallback(lambda _: threads.deferToThread(server.registry.close, settings.shutdown_grace_s))
         return drained
 
@@ -311,11 +343,13 @@ def _finish(server: Server) -> int:
     stopper = threading.Thread(target=lambda: [pool.stop() for pool in server.pools], daemon=True)
     stopper.start()
     stopper.join(5.0)
+    if server.grpc is not None:
+        server.grpc.stop()
     server.registry.close(5.0)  # a no-op after a drain; workers never outlive the server
     if server.nvml is not None:
         server.nvml.close()
     log.info("stopped")
-    if stopper.is_alive():
+    if stopper.is_alive() or (server.grpc is not None and server.grpc.admission.in_flight > 0):
         log.warning("abandoning request(s) still running after the shutdown grace")
         logging.shutdown()
         os._exit(server.status)  # their threads would keep the process alive

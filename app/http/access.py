@@ -93,7 +93,16 @@ def is_loopback(address: Optional[str]) -> bool:
 def refusal(path: str, headers, remote_address: Optional[str],
             restrictions: tuple[Restriction, ...]) -> Optional[Forbidden]:
     """Return why this request may not use its route (a Forbidden to raise), or None if it may."""
-    group = route_group(path)
+    return group_refusal(route_group(path), headers, remote_address, restrictions)
+
+
+def group_refusal(group: str, headers, remote_address: Optional[str],
+                  restrictions: tuple[Restriction, ...]) -> Optional[Forbidden]:
+    """Return why a request to `group` may not run (a Forbidden to raise), or None; `headers` maps lowercase names.
+
+    The gRPC services ask this with the call's metadata as headers, as Triton applies its restricted-API
+    check to gRPC headers.
+    """
     for restriction in restrictions:
         if group in restriction.groups:
             if restriction.admits(headers):

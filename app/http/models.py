@@ -38,9 +38,13 @@ def one_model(name: str):
 @routes.post("/v2/repository/index")
 def repository_index():
     body = _json_body()
-    ready_only = bool(body.get("ready", False))
+    return jsonify(index_rows(service().models, bool(body.get("ready", False))))
+
+
+def index_rows(models, ready_only: bool) -> list[dict]:
+    """The repository index, as Triton lists it: name, version, state, and the reason of one not ready."""
     rows = []
-    for model in service().models.describe():
+    for model in models.describe():
         state = _INDEX_STATES[model["state"]]
         if ready_only and state != "READY":
             continue
@@ -49,7 +53,7 @@ def repository_index():
         if state != "READY" and reason:
             row["reason"] = reason
         rows.append(row)
-    return jsonify(rows)
+    return rows
 
 
 @routes.post("/v2/repository/models/<name>/load")
@@ -58,10 +62,7 @@ def repository_load(name: str):
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be a JSON object")
-    overrides = sorted(key for key in parameters if key == "config" or key.startswith("file:"))
-    if overrides:
-        raise BadRequest(f"loading with {', '.join(overrides)} is not supported: this server loads model folders "
-                         "as they are on disk")
+    check_load_parameters(parameters)
     g.model = name
     service().models.load(name)
     return Response(status=200)
@@ -73,6 +74,14 @@ def repository_unload(name: str):
     g.model = name
     service().models.unload(name)
     return Response(status=200)
+
+
+def check_load_parameters(parameters) -> None:
+    """Refuse Triton's load overrides (a config, model files in the request): models load as they are on disk."""
+    overrides = sorted(key for key in parameters if key == "config" or key.startswith("file:"))
+    if overrides:
+        raise BadRequest(f"loading with {', '.join(overrides)} is not supported: this server loads model folders "
+                         "as they are on disk")
 
 
 def _json_body() -> dict:

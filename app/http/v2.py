@@ -87,13 +87,13 @@ def infer(name: str, version: Optional[str] = None):
     model = requested_model(name, version)
     body = inflate(request.get_data(cache=False), request.headers.get("Content-Encoding"), settings.max_body_bytes)
     parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
-    options = _options(parsed.parameters, settings)
+    options = request_options(parsed.parameters, settings)
     deadline = time.monotonic() + options.timeout_s
     signature = signature_of(model, deadline)
-    prepare = _images(parsed, model, signature, settings)
-    wanted = _wanted_outputs(parsed, signature)
+    prepare = request_images(parsed, model, signature, settings)
+    wanted = wanted_outputs(parsed, signature)
     run = run_images(model, prepare, deadline)
-    tensors = _output_tensors(run, wanted, model.labels, options)
+    tensors = output_tensors(run, wanted, model.labels, options)
     answer, header_length = write_infer_response(model.name, run.version, parsed.id, tensors)
     response = Response(answer, status=200)
     if header_length is None:
@@ -139,17 +139,17 @@ def _empty(status: int) -> Response:
     return response
 
 
-# Inference --------------------------------------------------------------------------------------------
+# Inference, shared with the gRPC service (app/grpc/kserve.py) ------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Options:
+class InferOptions:
     threshold: float
     max_detections: int
     timeout_s: float
 
 
-def _options(parameters: dict, settings) -> _Options:
+def request_options(parameters: dict, settings) -> InferOptions:
     """Read the request's parameters: threshold, max_detections, Triton's timeout (microseconds) and priority."""
     known = {"threshold", "max_detections", "timeout", "priority"}
     for key in parameters:
@@ -174,10 +174,10 @@ def _options(parameters: dict, settings) -> _Options:
             timeout_s = min(timeout_s, timeout / 1e6)
     if "priority" in parameters and type(parameters["priority"]) is not int:
         raise InvalidParameter("the parameter priority must be an integer")
-    return _Options(float(threshold), limit, timeout_s)
+    return InferOptions(float(threshold), limit, timeout_s)
 
 
-def _images(parsed: InferRequest, model, signature: dict, settings) -> Callable[[], list[DecodedImage]]:
+def request_images(parsed: InferRequest, model, signature: dict, settings) -> Callable[[], list[DecodedImage]]:
     """Check the request's one input against the model; return what decodes it (run after admission)."""
     declared = signature["input"]
     encoded_model = declared["dtype"] == "string"
@@ -204,7 +204,7 @@ def _images(parsed: InferRequest, model, signature: dict, settings) -> Callable[
     return lambda: images
 
 
-def _wanted_outputs(parsed: InferRequest, signature: dict) -> list[tuple[str, bool]]:
+def wanted_outputs(parsed: InferRequest, signature: dict) -> list[tuple[str, bool]]:
     """The outputs to answer with, and whether each goes as binary data; every signature output by default."""
     names = [out["name"] for out in signature["outputs"]]
     if parsed.outputs is None:
@@ -218,7 +218,7 @@ def _wanted_outputs(parsed: InferRequest, signature: dict) -> list[tuple[str, bo
     return wanted
 
 
-def _output_tensors(run, wanted: list[tuple[str, bool]], labels: dict, options: _Options) -> list[tuple[Tensor, bool]]:
+def output_tensors(run, wanted: list[tuple[str, bool]], labels: dict, options: InferOptions) -> list[tuple[Tensor, bool]]:
     arrays = stack_outputs(run.outputs)
     tensors = []
     for name, binary in wanted:

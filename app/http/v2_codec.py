@@ -157,7 +157,7 @@ def _input(raw, index: int, binary: Optional[memoryview]) -> tuple[Tensor, int]:
     datatype = raw.get("datatype")
     if datatype not in DATATYPES:
         raise InvalidBody(f"{where} has datatype {str(datatype)[:20]!r}; the datatypes are {', '.join(DATATYPES)}")
-    shape = _shape(raw.get("shape"), where)
+    shape = check_shape(raw.get("shape"), where)
     parameters = _parameters(raw.get("parameters"), where)
     if any(key.startswith("shared_memory") for key in parameters):
         raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not "
@@ -178,7 +178,7 @@ def _input(raw, index: int, binary: Optional[memoryview]) -> tuple[Tensor, int]:
     return Tensor(name, datatype, shape, binary_data(binary[:size], datatype, shape, where), binary=True), size
 
 
-def _shape(value, where: str) -> tuple[int, ...]:
+def check_shape(value, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_RANK:
         raise InvalidBody(f"{where}: 'shape' must be a list of 1 to {MAX_RANK} dimensions")
     for dim in value:

@@ -97,9 +97,9 @@ Arguments: root (the chart's context), name, group.
 {{- $resources := mergeOverwrite (deepCopy $root.Values.resources) (deepCopy (default dict $group.resources)) -}}
 {{- $pdb := mergeOverwrite (deepCopy $root.Values.podDisruptionBudget) (deepCopy (default dict $group.podDisruptionBudget)) -}}
 {{- $autoscaling := mergeOverwrite (deepCopy $root.Values.autoscaling) (deepCopy (default dict $group.autoscaling)) -}}
-{{- range $key := list "host" "port" "model" "model_repository" "gpu_total_mib" "gpu_overhead_mib" "gpus" -}}
+{{- range $key := list "host" "port" "grpc_port" "model" "model_repository" "gpu_total_mib" "gpu_overhead_mib" "gpus" -}}
 {{- if hasKey $settings $key -}}
-{{- fail (printf "group %q: settings.%s is set by the chart (from service.port, the group's models and modelRepository, and gpu)" $name $key) -}}
+{{- fail (printf "group %q: settings.%s is set by the chart (from service.port and grpcPort, the group's models and modelRepository, and gpu)" $name $key) -}}
 {{- end -}}
 {{- end -}}
 {{- $memory := int $gpu.memoryMiB -}}
@@ -181,6 +181,11 @@ The settings file of one group's pods, read with `python -m app serve --config`.
 {{- $top := deepCopy $g.settings -}}
 {{- $_ := set $top "host" "0.0.0.0" -}}
 {{- $_ := set $top "port" (int .root.Values.service.port) -}}
+{{- if .root.Values.service.grpcPort -}}
+{{- $_ := set $top "grpc_port" (int .root.Values.service.grpcPort) -}}
+{{- else -}}
+{{- $_ := set $top "grpc_port" "off" -}}
+{{- end -}}
 {{- if eq (len $g.models) 1 -}}
 {{- $_ := set $top "model" (printf "%s/%s" (trimSuffix "/" $g.modelRepository) (keys $g.models | first)) -}}
 {{- else -}}
@@ -208,7 +213,7 @@ The DETECT_* variables of the settings the file sets. A variable beats the file 
 tables, so the container drops any the image bakes in (`env -u`): the file alone decides.
 */}}
 {{- define "detect.unsetArgs" -}}
-{{- $names := list "HOST" "PORT" "MODEL" "MODEL_REPOSITORY" "GPU_TOTAL_MIB" "GPU_OVERHEAD_MIB" -}}
+{{- $names := list "HOST" "PORT" "GRPC_PORT" "MODEL" "MODEL_REPOSITORY" "GPU_TOTAL_MIB" "GPU_OVERHEAD_MIB" -}}
 {{- range $key, $_ := .g.settings -}}
 {{- $names = append $names (upper $key) -}}
 {{- end -}}

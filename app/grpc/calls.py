@@ -1,0 +1,161 @@
+"""What every gRPC call goes through around its servicer: the access rules, the app, one status table, metrics.
+
+Triton's gRPC server applies its restricted-API check to a call's metadata before the handler runs and maps
+every error to one status code; `CallInterceptor` does both for every service on the gRPC port. Servicers
+raise the project's own errors (app.errors) and never abort a call themselves: the interceptor answers
+each with its code from app.errors.GRPC_STATUS and its message. Each call runs in the Flask app's context,
+so the servicers use the same data plane (app/http/dataplane.py) as the HTTP routes.
+
+Called in the gRPC server's worker threads; everything here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import Optional
+from urllib.parse import unquote
+
+import grpc
+from flask import g
+
+from ..errors import NotReady, Overloaded, RequestError, grpc_status
+from ..http.access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, group_refusal
+
+log = logging.getLogger(__name__)
+
+KSERVE = "/inference.GRPCInferenceService/"
+TF_PREDICTION = "/tensorflow.serving.PredictionService/"
+TF_MODEL = "/tensorflow.serving.ModelService/"
+HEALTH_SERVICE = "/grpc.health.v1.Health/"
+
+# Each method's restricted-API group, as Triton groups its gRPC methods; a method not listed is metadata.
+METHOD_GROUPS = {
+    **{KSERVE + m: INFERENCE for m in ("ModelInfer", "ModelStreamInfer")},
+    **{TF_PREDICTION + m: INFERENCE for m in ("Predict", "Classify", "Regress", "MultiInference")},
+    **{KSERVE + m: HEALTH for m in ("ServerLive", "ServerReady", "ModelReady")},
+    **{HEALTH_SERVICE + m: HEALTH for m in ("Check", "Watch", "List")},
+    **{KSERVE + m: MODEL_REPOSITORY for m in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")},
+    TF_MODEL + "HandleReloadConfigRequest": MODEL_REPOSITORY,
+    KSERVE + "ModelStatistics": STATISTICS,
+}
+
+
+def method_group(method: str) -> str:
+    """Return the restricted-API group of a full gRPC method name."""
+    return METHOD_GROUPS.get(method, METADATA)
+
+
+def peer_host(peer: str) -> Optional[str]:
+    """The address of a gRPC peer string (ipv4:127.0.0.1:5000, ipv6:[::1]:5000, which grpc may send
+    percent-encoded as ipv6:%5B::1%5D:5000), or None (unix sockets)."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return None
+
+
+class CallInterceptor(grpc.ServerInterceptor):
+    """Check access, run in the app's context, answer errors from GRPC_STATUS, and count every call."""
+
+    def __init__(self, app):
+        self._app = app
+        self._restrictions = app.extensions["restrictions"]
+        self._metrics = app.extensions["detect"].metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None  # grpc answers UNIMPLEMENTED
+        method = handler_call_details.method
+        # Binary (-bin) metadata never carries a restricted-API header; grpc lowercases every key.
+        headers = {key.lower(): value for key, value in handler_call_details.invocation_metadata or ()
+                   if isinstance(value, str)}
+        group = method_group(method)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, method, group, headers))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._streaming(handler.unary_stream, group, headers))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=self._streaming(handler.stream_stream, group, headers))
+        return handler
+
+    def _refusal(self, group: str, headers: dict, context) -> Optional[RequestError]:
+        return group_refusal(group, headers, peer_host(context.peer()), self._restrictions)
+
+    def _unary(self, behaviour, method: str, group: str, headers: dict):
+        def guarded(request, context):
+            started = time.perf_counter()
+            code, message, model = "OK", "", ""
+            try:
+                with self._app.app_context():
+                    try:
+                        refused = self._refusal(group, headers, context)
+                        if refused is not None:
+                            raise refused
+                        return behaviour(request, context)
+                    except RequestError as error:
+                        code, message = grpc_status(error), error.message
+                    except Exception:
+                        log.exception("unexpected error in %s", method)
+                        code, message = "INTERNAL", "an internal error occurred; it has been logged"
+                    finally:
+                        model = g.get("model", "")
+                context.abort(grpc.StatusCode[code], message)
+            finally:
+                self._metrics.observe_call(method, code, time.perf_counter() - started, model)
+
+        return guarded
+
+    def _streaming(self, behaviour, group: str, headers: dict):
+        def guarded(request, context):
+            refused = self._refusal(group, headers, context)
+            if refused is not None:
+                context.abort(grpc.StatusCode[grpc_status(refused)], refused.message)
+            yield from behaviour(request, context)
+
+        return guarded
+
+
+class Admission:
+    """Inference calls admitted at once over gRPC: at most `limit` (http_threads), as the HTTP site admits them.
+
+    None is admitted while the server drains, nor while its model's queue is full: those are refused at once
+    (UNAVAILABLE, RESOURCE_EXHAUSTED), so overload never piles calls up behind the queue. Thread-safe.
+    """
+
+    def __init__(self, limit: int, lifecycle):
+        self._limit = limit
+        self._lifecycle = lifecycle
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    @contextmanager
+    def admit(self, model):
+        with self._lock:
+            if self._lifecycle is not None and self._lifecycle.draining:
+                raise NotReady("the server is shutting down; retry on another instance")
+            if self.in_flight >= self._limit:
+                raise Overloaded(f"the server is handling {self.in_flight} gRPC inference calls, its limit "
+                                 "(http_threads); retry shortly")
+            refusal = model.queue.refusal()
+            if refusal is not None:
+                raise refusal
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+def deadline_of(context, limit_s: float) -> float:
+    """The call's deadline (time.monotonic()): `limit_s` from now, or the client's deadline if that is sooner."""
+    remaining = context.time_remaining()
+    if remaining is not None:
+        limit_s = min(limit_s, max(remaining, 0.0))
+    return time.monotonic() + limit_s

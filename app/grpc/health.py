@@ -1,0 +1,61 @@
+"""`grpc.health.v1.Health`: the server's readiness and each model's, for Kubernetes' `grpc:` probes and grpc-health-probe.
+
+The name "liveness" is SERVING while the process answers at all, as /healthz (a Kubernetes liveness probe's
+service). The service "" (the whole server) and the name of each gRPC service on the port are SERVING while /readyz
+would answer 200: every preloaded model loaded, shutdown not begun. A model's name is SERVING while it can
+answer: loaded, or unloaded only for idleness (its next call loads it); NOT_SERVING while it loads, has
+failed or was unloaded by request. Any other name is NOT_FOUND, as the health protocol asks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..errors import NotFound
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+WATCH_POLL_S = 1.0
+LIVENESS = "liveness"  # SERVING while the process is up, as /healthz
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """Answer Check and Watch from the live state of the server and its models; called in gRPC worker threads."""
+
+    def __init__(self, service, service_names: tuple[str, ...]):
+        self._service = service  # app.http.app.Service
+        self._names = ("", *service_names)
+
+    def status(self, name: str):
+        """The status of `name` (the server, a gRPC service, or a model); None for a name that is none of those."""
+        svc = self._service
+        if name == LIVENESS:
+            return SERVING
+        if name in self._names:
+            draining = svc.lifecycle is not None and svc.lifecycle.draining
+            return SERVING if svc.models.ready and not draining else NOT_SERVING
+        model = svc.models.models.get(name) if hasattr(svc.models, "models") else None
+        if model is None:
+            return None
+        if model.state == "ready" or (model.state == "unloaded" and not model.unloaded_by_request):
+            return SERVING
+        return NOT_SERVING
+
+    def Check(self, request, context):
+        status = self.status(request.service)
+        if status is None:
+            raise NotFound(f"no service or model named {request.service[:100]!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def Watch(self, request, context):
+        """Send the status now and on every change (checked each second), until the client goes away."""
+        last = None
+        while context.is_active():
+            status = self.status(request.service)
+            status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            time.sleep(WATCH_POLL_S)

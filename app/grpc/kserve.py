@@ -1,0 +1,225 @@
+"""KServe v2 / Open Inference Protocol over gRPC: `inference.GRPCInferenceService`, as tritonclient.grpc drives it.
+
+A thin servicer over the same data plane and codecs as /v2 (app/http/v2.py): a ModelInferRequest becomes
+the same InferRequest the HTTP route parses, runs through the same admission, queue and batches, and its
+answer is the same tensors, written as raw_output_contents (as Triton writes them). Inputs come as
+`raw_input_contents` (one entry per input, BYTES as 4-byte little-endian lengths and bytes) or typed
+`contents`; every declared shape is checked against the data before anything is allocated from it.
+Methods: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer, and the
+repository extension (RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload); the others answer
+UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/calls.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flask import g
+
+from ..errors import BadRequest, InvalidBody
+from ..http.app import SERVER_NAME, server_version, service
+from ..http.dataplane import requested_model, run_images, served_version, signature_of
+from ..http.models import check_load_parameters, index_rows
+from ..http.v2 import (
+    EXTENSIONS, describe, output_tensors, request_images, request_options, wanted_outputs,
+)
+from ..http.v2_codec import (
+    DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_shape, element_count,
+    serialize_bytes,
+)
+from .calls import deadline_of
+from .protos import grpc_service_pb2 as pb
+from .protos import grpc_service_pb2_grpc as pb_grpc
+from .protos import model_config_pb2
+
+# Where each datatype's elements go in InferTensorContents; FP16 has no field (send it raw).
+CONTENTS_FIELDS = {
+    "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+CONFIG_TYPES = {"UINT8": model_config_pb2.TYPE_UINT8, "FP32": model_config_pb2.TYPE_FP32,
+                "BYTES": model_config_pb2.TYPE_STRING}
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """inference.GRPCInferenceService over the model registry; called in gRPC worker threads, in the app's context."""
+
+    def __init__(self, admission):
+        self._admission = admission
+
+    def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):
+        svc = service()
+        draining = svc.lifecycle is not None and svc.lifecycle.draining
+        return pb.ServerReadyResponse(ready=bool(svc.models.ready and not draining))
+
+    def ModelReady(self, request, context):
+        """Ready while the model is loaded; a version it does not serve is not ready (an unknown model: NOT_FOUND)."""
+        model = requested_model(request.name, None)
+        served = request.version in ("", served_version(model))
+        return pb.ModelReadyResponse(ready=served and model.state == "ready")
+
+    def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=list(EXTENSIONS))
+
+    def ModelMetadata(self, request, context):
+        model = requested_model(request.name, request.version or None)
+        described = describe(model, signature_of(model, deadline_of(context, service().settings.request_deadline_s)))
+        return pb.ModelMetadataResponse(
+            name=described["name"], versions=described["versions"], platform=described["platform"],
+            inputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in described["inputs"]],
+            outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in described["outputs"]])
+
+    def ModelConfig(self, request, context):
+        """A minimal config, as Triton's for a SavedModel: name, platform, batching, the signature's tensors."""
+        model = requested_model(request.name, request.version or None)
+        settings = service().settings
+        described = describe(model, signature_of(model, deadline_of(context, settings.request_deadline_s)))
+        batched = described["inputs"][0]["shape"][:1] == [-1]
+
+        def tensors(kind, entries):
+            return [kind(name=t["name"], data_type=CONFIG_TYPES.get(t["datatype"], model_config_pb2.TYPE_INVALID),
+                         dims=t["shape"][1:] if batched else t["shape"]) for t in entries]
+
+        config = model_config_pb2.ModelConfig(
+            name=model.name, platform=described["platform"],
+            max_batch_size=settings.for_model(model.name).max_batch_size if batched else 0,
+            input=tensors(model_config_pb2.ModelInput, described["inputs"]),
+            output=tensors(model_config_pb2.ModelOutput, described["outputs"]))
+        return pb.ModelConfigResponse(config=config)
+
+    def ModelInfer(self, request, context):
+        settings = service().settings
+        model = requested_model(request.model_name, request.model_version or None)
+        parsed = infer_request(request)
+        options = request_options(parsed.parameters, settings)
+        deadline = deadline_of(context, options.timeout_s)
+        with self._admission.admit(model):
+            signature = signature_of(model, deadline)
+            prepare = request_images(parsed, model, signature, settings)
+            wanted = wanted_outputs(parsed, signature)
+            run = run_images(model, prepare, deadline)
+        tensors = output_tensors(run, wanted, model.labels, options)
+        return infer_response(model.name, run.version, parsed.id, [tensor for tensor, _ in tensors])
+
+    def RepositoryIndex(self, request, context):
+        rows = index_rows(service().models, request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
+
+    def RepositoryModelLoad(self, request, context):
+        check_load_parameters(request.parameters)
+        g.model = request.model_name
+        service().models.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    def RepositoryModelUnload(self, request, context):
+        g.model = request.model_name
+        service().models.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+# Reading requests and writing answers --------------------------------------------------------------------
+
+
+def infer_request(request) -> InferRequest:
+    """Read a ModelInferRequest as the HTTP route's parser reads a body; raise BadRequest naming what is wrong."""
+    if not request.inputs:
+        raise InvalidBody("the request has no inputs")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidBody(f"raw_input_contents holds {len(raw)} entries for {len(request.inputs)} inputs; give one "
+                          "per input, in the inputs' order, or none")
+    inputs = []
+    for i, tensor in enumerate(request.inputs):
+        name = _name(tensor.name, f"input {i}")
+        where = f"input {name!r}"
+        if tensor.datatype not in DATATYPES:
+            raise InvalidBody(f"{where} has datatype {tensor.datatype[:20]!r}; the datatypes are {', '.join(DATATYPES)}")
+        shape = check_shape(list(tensor.shape), where)
+        _no_shared_memory(tensor.parameters, where)
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidBody(f"{where} has both contents and raw_input_contents; send one")
+            data = binary_data(memoryview(raw[i]), tensor.datatype, shape, where)
+        elif tensor.HasField("contents"):
+            data = typed_contents(tensor.contents, tensor.datatype, shape, where)
+        else:
+            raise InvalidBody(f"{where} has no data: neither contents nor raw_input_contents")
+        inputs.append(Tensor(name, tensor.datatype, shape, data, binary=True))
+    names = [t.name for t in inputs]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise InvalidBody(f"duplicate input name {duplicate!r} is not allowed in a request")
+    outputs, seen = [], set()
+    for i, output in enumerate(request.outputs):
+        name = _name(output.name, f"output {i}")
+        if name in seen:
+            raise InvalidBody(f"duplicate output name {name!r} is not allowed in a request")
+        seen.add(name)
+        _no_shared_memory(output.parameters, f"output {name!r}")
+        if "classification" in output.parameters:
+            raise BadRequest(f"output {name!r} asks for classification; the classification extension is not "
+                             "implemented")
+        outputs.append(RequestedOutput(name, True))
+    parameters = parameter_values(request.parameters, "the request")
+    parameters.pop("binary_data_output", None)  # gRPC answers are always raw
+    return InferRequest(request.id or None, tuple(inputs), tuple(outputs) or None, True, parameters)
+
+
+def _name(name: str, where: str) -> str:
+    if not name or len(name) > MAX_NAME:
+        raise InvalidBody(f"{where} needs a name: a non-empty string of at most {MAX_NAME} characters")
+    return name
+
+
+def _no_shared_memory(parameters, where: str) -> None:
+    if any(key.startswith("shared_memory") for key in parameters):
+        raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not implemented: "
+                         "send the data in the request")
+
+
+def parameter_values(parameters, where: str) -> dict:
+    """The request's InferParameter map as plain values, as the HTTP route's JSON gives them."""
+    values = {}
+    for key, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        if kind is None:
+            raise InvalidBody(f"parameter {key[:40]!r} of {where} has no value")
+        values[key] = getattr(parameter, kind)
+    return values
+
+
+def typed_contents(contents, datatype: str, shape: tuple[int, ...], where: str):
+    """Read a tensor's typed contents: exactly the shape's element count, each value within its datatype."""
+    field = CONTENTS_FIELDS.get(datatype)
+    if field is None:
+        raise InvalidBody(f"{where} is {datatype}, which has no contents field: send it in raw_input_contents")
+    others = [f.name for f, _ in contents.ListFields() if f.name != field]
+    if others:
+        raise InvalidBody(f"{where} is {datatype} but its contents fill {others[0]}; {datatype} goes in {field}")
+    values = getattr(contents, field)
+    count = element_count(shape)
+    if len(values) != count:
+        raise InvalidBody(f"{where} has shape {list(shape)} ({count} elements) but its contents hold {len(values)}")
+    if datatype == "BYTES":
+        return list(values)
+    target = np.dtype(NUMPY_TYPES[datatype])
+    array = np.asarray(values)
+    if target.kind in "iu" and array.size:
+        info = np.iinfo(target)
+        if int(array.min()) < info.min or int(array.max()) > info.max:
+            raise InvalidBody(f"{where} is {datatype}: its values must be from {info.min} to {info.max}")
+    return array.astype(target).reshape(shape)
+
+
+def infer_response(model_name: str, version, request_id, tensors: list[Tensor]):
+    """Write the answer, every output's data in raw_output_contents in the outputs' order, as Triton does."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=version or "", id=request_id or "")
+    for tensor in tensors:
+        response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape))
+        response.raw_output_contents.append(
+            serialize_bytes(tensor.data) if tensor.datatype == "BYTES"
+            else np.ascontiguousarray(tensor.data, dtype=NUMPY_TYPES[tensor.datatype]).tobytes())
+    return response

@@ -1,0 +1,1 @@
+"""Generated gRPC messages and stubs (scripts/gen_grpc_protos.py)."""

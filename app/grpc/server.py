@@ -1,0 +1,85 @@
+"""The gRPC port: one grpc.server beside the HTTP site, in the same process, over the same app and models.
+
+Services: KServe v2's inference.GRPCInferenceService (kserve.py), TF Serving's PredictionService and
+ModelService (tfserving.py), grpc.health.v1.Health (health.py) and server reflection, so that grpcurl needs
+no .proto files. Every call passes CallInterceptor (calls.py): the access rules, the status table, metrics.
+
+Bounds, as the HTTP site's: at most http_threads inference calls run at once (Admission), and the server
+takes at most http_threads + CONTROL_THREADS calls in all (grpc's maximum_concurrent_rpcs): one over that
+is answered RESOURCE_EXHAUSTED by grpc at once, never queued. A message over max_body_bytes is answered
+RESOURCE_EXHAUSTED by grpc before it is read whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .calls import Admission, CallInterceptor
+from .health import HealthServicer
+from .kserve import InferenceServicer
+from .protos import grpc_service_pb2
+from .protos import grpc_service_pb2_grpc as kserve_grpc
+from .protos.tensorflow_serving.apis import model_service_pb2, prediction_service_pb2
+from .protos.tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
+from .tfserving import ModelServicer, PredictionServicer
+
+log = logging.getLogger(__name__)
+
+CONTROL_THREADS = 4  # health checks, metadata and readiness beside a full complement of inference calls
+SERVICE_NAMES = tuple(d.full_name for d in (
+    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+    prediction_service_pb2.DESCRIPTOR.services_by_name["PredictionService"],
+    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
+))
+
+
+class GrpcServer:
+    """The gRPC services of one app, on one port; built at boot, bound and started by the composition root."""
+
+    def __init__(self, app, settings):
+        svc = app.extensions["detect"]
+        self.admission = Admission(settings.http_threads, svc.lifecycle)
+        svc.metrics.watch_grpc_in_flight(lambda: self.admission.in_flight)
+        threads = settings.http_threads + CONTROL_THREADS
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+            interceptors=[CallInterceptor(app)], maximum_concurrent_rpcs=threads,
+            options=[
+                ("grpc.max_receive_message_length", settings.max_body_bytes),
+                # Off: with SO_REUSEPORT (grpc's default on Linux) a second server would share a busy port silently.
+                ("grpc.so_reuseport", 0),
+            ])
+        kserve_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.admission), self._server)
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
+            PredictionServicer(self.admission), self._server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(svc, SERVICE_NAMES), self._server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((*SERVICE_NAMES, health_name, reflection.SERVICE_NAME), self._server)
+
+    def bind(self, host: str, port: int, tls: Optional[tuple[bytes, bytes]] = None) -> int:
+        """Listen on host:port (TLS with a (key, certificate) PEM pair); return the port bound; raise RuntimeError."""
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if tls is None:
+            bound = self._server.add_insecure_port(address)
+        else:
+            bound = self._server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+        if not bound:  # older grpcio answers 0 rather than raising
+            raise RuntimeError(f"cannot bind {address}")
+        return bound
+
+    def start(self) -> None:
+        self._server.start()
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking calls and wait for those in flight, at most `grace_s`, then cancel them; blocks."""
+        self._server.stop(grace_s).wait()
+
+    def stop(self) -> None:
+        self._server.stop(0)
