@@ -241,8 +241,10 @@ class Settings:
     gpu_total_mib: int = _setting(
         0, _int_in(0, 2**24), "GPU memory per GPU the budget may fill (MiB; 0: each GPU's total from NVML)"
     )
+    # 1024: on an H200 (CUDA 13, driver 580) a bare CUDA context is 520 MiB and 720 MiB once cuBLAS and cuDNN
+    # are loaded (scripts/gpu-check, docs/how-to/gpu-check.md); TensorFlow's own kernels come on top.
     gpu_overhead_mib: int = _setting(
-        500, _int_in(0, 65536), "budgeted per worker beyond its cap: CUDA context, cuDNN/cuBLAS workspaces (MiB)"
+        1024, _int_in(0, 65536), "budgeted per worker beyond its cap: CUDA context, cuDNN/cuBLAS workspaces (MiB)"
     )
     # Five minutes: a model used at least that often never pays a load; one idle longer gives its cap
     # and CUDA context back for a cold start of about a second (docs/concepts/workers.md).

@@ -232,11 +232,11 @@ def test_examples_ask_for_a_shared_gpu_or_a_mig_slice(rendered, name, resources)
 
 
 @pytest.mark.parametrize("name, group, caps, per_gpu, needed, total, share", [
-    # Each example's own comment gives these: caps + 500 MiB overhead per model, times the pods per GPU.
-    ("default", "objects", {"objects": "4GiB"}, 1, 4596, 15360, 15360),
-    ("time-slicing", "detect", {"faces": "4GiB", "shapes": "1GiB"}, 3, 18360, 23028, 7676),
-    ("mig", "objects", {"objects": "8GiB"}, 1, 8692, 9728, 9728),
-    ("mig", "shapes", {"shapes": "2GiB"}, 2, 5096, 9728, 4864),
+    # Each example's own comment gives these: caps + 1024 MiB overhead per model, times the pods per GPU.
+    ("default", "objects", {"objects": "4GiB"}, 1, 5120, 15360, 15360),
+    ("time-slicing", "detect", {"faces": "4GiB", "shapes": "1GiB"}, 3, 21504, 23028, 7676),
+    ("mig", "objects", {"objects": "8GiB"}, 1, 9216, 9728, 9728),
+    ("mig", "shapes", {"shapes": "2GiB"}, 2, 6144, 9728, 4864),
 ])
 def test_each_settings_file_holds_the_models_caps_and_the_pods_share_of_its_gpu(rendered, name, group, caps,
                                                                                 per_gpu, needed, total, share):
@@ -245,7 +245,7 @@ def test_each_settings_file_holds_the_models_caps_and_the_pods_share_of_its_gpu(
     assert {model: table["gpu_memory"] for model, table in settings["models"].items()} == caps
     assert f"{per_gpu} pod(s) x {needed // per_gpu} MiB" in text and f"= {needed} MiB of {total} MiB" in text
     # The server's own budget then refuses, at run time, a model beyond the pod's share of the GPU.
-    assert settings["gpu_total_mib"] == share and settings["gpu_overhead_mib"] == 500
+    assert settings["gpu_total_mib"] == share and settings["gpu_overhead_mib"] == 1024
     assert settings["host"] == "0.0.0.0" and settings["port"] == container(deployment)["ports"][0]["containerPort"]
     if len(caps) == 1:
         assert settings["model"] == f"/srv/detect/models/{next(iter(caps))}" and "model_repository" not in settings
@@ -271,10 +271,10 @@ def test_no_detect_variable_of_the_image_can_override_the_settings_file(rendered
 
 @pytest.mark.parametrize("sets, message", [
     (["gpu.replicasPerGpu=4"],
-     'group "detect" does not fit its GPU: 4 pods per GPU x (faces 4096 MiB + shapes 1024 MiB + 2 x 500 MiB '
-     'overhead = 6120 MiB) = 24480 MiB, but gpu.memoryMiB is 23028 MiB'),
+     'group "detect" does not fit its GPU: 4 pods per GPU x (faces 4096 MiB + shapes 1024 MiB + 2 x 1024 MiB '
+     'overhead = 7168 MiB) = 28672 MiB, but gpu.memoryMiB is 23028 MiB'),
     (["groups.detect.models.faces.gpu_memory=90%"],
-     "(faces 20725 MiB + shapes 1024 MiB + 2 x 500 MiB overhead = 22749 MiB) = 68247 MiB"),
+     "(faces 20725 MiB + shapes 1024 MiB + 2 x 1024 MiB overhead = 23797 MiB) = 71391 MiB"),
     (["groups.detect.models.faces.gpu_memory=greedy"],
      'model "faces" is greedy (TensorFlow maps nearly all of the GPU at start) but 3 pods may share its GPU'),
     (["groups.detect.models.faces.gpu_memory=150%"], 'gpu_memory "150%": a share must be above 0% and at most 100%'),
@@ -288,14 +288,14 @@ def test_helm_template_fails_naming_the_numbers_when_the_budget_breaks(sets, mes
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("cap, fits", [("9GiB", True), ("9300", False)])
+@pytest.mark.parametrize("cap, fits", [("8704", True), ("8705", False)])
 def test_a_cap_fits_a_mig_slice_only_with_its_overhead(cap, fits):
-    """A 9728 MiB slice: 9216 + 500 MiB fits, 9300 + 500 MiB does not."""
+    """A 9728 MiB slice: 8704 + 1024 MiB fits, 8705 + 1024 MiB does not."""
     out = helm_template(VALUES["mig"], f"groups.objects.models.objects.gpu_memory={cap}")
     if fits:
         assert out.returncode == 0, out.stderr
     else:
-        assert out.returncode != 0 and "(objects 9300 MiB + 1 x 500 MiB overhead = 9800 MiB) = 9800 MiB, but " \
+        assert out.returncode != 0 and "(objects 8705 MiB + 1 x 1024 MiB overhead = 9729 MiB) = 9729 MiB, but " \
             "gpu.memoryMiB is 9728 MiB" in out.stderr, out.stderr
 
 

@@ -42,7 +42,7 @@ def test_the_shipped_example_is_faces_and_shapes_on_8001_and_8002():
     config = load_fleet(ROOT / "config" / "fleet.toml")
     assert [(i.name, i.model, i.port) for i in config.instances] == [
         ("faces", "models/faces", 8001), ("shapes", "models/shapes", 8002)]
-    assert config.gpu_overhead_mib == 500
+    assert config.gpu_overhead_mib == 1024
 
 
 @pytest.mark.parametrize(
@@ -101,16 +101,16 @@ def test_a_plan_that_fits_gives_each_instance_its_cap_plus_overhead():
     plan = make_plan(_config(FACES, SHAPES), planning_gpus(_config(FACES, SHAPES), 16384))
     assert plan.fits and not plan.warnings
     assert [(p.instance.name, p.gpu, p.cap_mib, p.budget_mib) for p in plan.placements] == [
-        ("faces", 0, 4096, 4596), ("shapes", 0, 2048, 2548)]
+        ("faces", 0, 4096, 5120), ("shapes", 0, 2048, 3072)]
     (budget,) = plan.budgets
-    assert budget.needed_mib == 7144 and "fits" in budget.describe()
+    assert budget.needed_mib == 8192 and "fits" in budget.describe()
 
 
 def test_an_over_budget_plan_names_the_mib_needed_available_and_the_instances():
     config = _config(FACES, SHAPES)
-    plan = make_plan(config, planning_gpus(config, 7000))
+    plan = make_plan(config, planning_gpus(config, 8000))
     (error,) = plan.errors
-    assert "GPU 0 is over budget: the plan needs 7144 MiB" in error and "7000 MiB are available" in error
+    assert "GPU 0 is over budget: the plan needs 8192 MiB" in error and "8000 MiB are available" in error
     assert "faces (4096 MiB), shapes (2048 MiB)" in error
 
 
@@ -128,7 +128,7 @@ def test_growth_is_allowed_with_a_warning_that_it_is_unbounded():
     assert plan.fits
     (warning,) = plan.warnings
     assert "'shapes' uses memory growth: its GPU memory is unbounded" in warning
-    assert plan.budgets[0].needed_mib == 4096 + 2 * 500
+    assert plan.budgets[0].needed_mib == 4096 + 2 * 1024
 
 
 def test_a_share_resolves_against_each_gpus_total_as_the_instance_would():
@@ -139,7 +139,7 @@ def test_a_share_resolves_against_each_gpus_total_as_the_instance_would():
         (0, 143771, 143216), (1, 143771, 143216)]
     plan = make_plan(config, gpus)
     assert plan.caps_for("faces") == {0: 35942, 1: 35942}
-    assert not plan.fits and "needs 151958 MiB" in plan.errors[0] and "143216 MiB are available" in plan.errors[0]
+    assert not plan.fits and "needs 153006 MiB" in plan.errors[0] and "143216 MiB are available" in plan.errors[0]
 
 
 def test_an_instance_on_a_gpu_the_plan_lacks_is_refused():
@@ -152,11 +152,11 @@ def test_dry_run_prints_the_plan_and_exits_0_when_it_fits_2_when_not():
     assert fits.returncode == 0, fits.stderr
     header, faces, shapes = fits.stdout.splitlines()[:3]
     assert header.split() == ["instance", "port", "gRPC", "model", "GPU", "cap", "budget"]
-    assert faces.split() == ["faces", "8001", "9001", "models/faces", "0", "4096", "MiB", "4596", "MiB"]
-    assert "needs 7144 MiB" in fits.stdout and "16384 MiB available -> fits" in fits.stdout
+    assert faces.split() == ["faces", "8001", "9001", "models/faces", "0", "4096", "MiB", "5120", "MiB"]
+    assert "needs 8192 MiB" in fits.stdout and "16384 MiB available -> fits" in fits.stdout
     over = _fleet_cli("--config", "config/fleet.toml", "--dry-run", "--gpu-total-mib", "6000")
     assert over.returncode == 2
-    assert "the plan needs 7144 MiB" in over.stderr and "6000 MiB are available" in over.stderr
+    assert "the plan needs 8192 MiB" in over.stderr and "6000 MiB are available" in over.stderr
 
 
 def test_the_fleet_plans_where_flask_is_not_installed():

@@ -2,7 +2,7 @@
 
 A fleet file is TOML::
 
-    gpu_overhead_mib = 500          # per process, on top of its cap: CUDA context, cuDNN/cuBLAS workspaces
+    gpu_overhead_mib = 1024         # per process, on top of its cap: CUDA context, cuDNN/cuBLAS workspaces
     [[instance]]
     name = "faces"
     model = "models/faces"
@@ -85,7 +85,7 @@ class FleetConfig:
 
     path: Path
     instances: tuple[InstanceSpec, ...]
-    gpu_overhead_mib: int = 500  # budgeted per instance on top of its cap (MiB)
+    gpu_overhead_mib: int = 1024  # budgeted per instance on top of its cap (MiB); as the serve setting's default
     max_failures: int = 5  # an instance that exits this often within failure_window_s is given up
     failure_window_s: float = 300.0  # (s)
     restart_backoff_s: float = 1.0  # first restart delay, doubled for each exit in the window, at most 60 s

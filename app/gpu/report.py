@@ -49,7 +49,7 @@ class GpuReport:
 
     def __init__(self, nvml: Optional[Nvml], nvml_reason: Optional[str] = None,
                  selected: Optional[Sequence[int]] = None, workers: Callable[[], list[dict]] = list,
-                 overhead_mib: int = 500, fleet_state: Optional[str | Path] = None, instance_name: str = "",
+                 overhead_mib: int = 1024, fleet_state: Optional[str | Path] = None, instance_name: str = "",
                  pid: Optional[int] = None, parent_of: Callable[[int], Optional[int]] = parent_pid):
         self.nvml = nvml
         self.nvml_reason = nvml_reason
