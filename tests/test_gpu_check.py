@@ -99,8 +99,9 @@ def test_a_holder_nvml_does_not_list_fails():
 
 
 def test_without_a_context_figure_the_default_overhead_bounds_a_holder():
-    check = gpu_check.check_holder_used("h1", _device((50, 2048 + 500)), 50, 2048, context_mib=None)
-    assert check.outcome == PASS and check.figures["context_mib"] == 500
+    overhead = gpu_check.DEFAULT_OVERHEAD_MIB
+    check = gpu_check.check_holder_used("h1", _device((50, 2048 + overhead)), 50, 2048, context_mib=None)
+    assert check.outcome == PASS and check.figures["context_mib"] == overhead
 
 
 def test_holders_on_another_gpu_than_nvml_numbers_fail():
@@ -201,13 +202,13 @@ def _plan_file(tmp_path, caps):
 
 @pytest.mark.parametrize("reserved", [0, 555])
 def test_the_budget_is_checked_against_the_available_memory(tmp_path, reserved):
-    total = 143771
-    fill = total - 2048 - 5120 - 3 * 500
+    total, overhead = 143771, gpu_check.DEFAULT_OVERHEAD_MIB
+    fill = total - 2048 - 5120 - 3 * overhead
     for caps in ([2048, 5120], [2048, 5120, fill], [2048, 5120, fill + 1]):
         plan = make_plan(_plan_file(tmp_path, caps), [Gpu(0, total, reserved_mib=reserved)])
-        check = gpu_check.check_plan("plan", plan, 0, caps, 500, total - reserved)
+        check = gpu_check.check_plan("plan", plan, 0, caps, overhead, total - reserved)
         assert check.outcome == PASS, check.detail
-        assert check.figures["fits"] == (sum(caps) + 500 * len(caps) <= total - reserved)
+        assert check.figures["fits"] == (sum(caps) + overhead * len(caps) <= total - reserved)
     wrong = make_plan(_plan_file(tmp_path, [2048]), [Gpu(0, total)])
     assert gpu_check.check_plan("plan", wrong, 0, [2048], 400, total).outcome == FAIL  # 400 is not the overhead
 
@@ -311,7 +312,7 @@ def test_where_nvml_hides_the_holders_pids_it_says_so_and_checks_the_fallback(tm
 
 def test_a_claim_that_does_not_hold_fails_the_run(tmp_path, stand_in_gpu, monkeypatch):
     """A context over the default overhead, and memory that never comes back, each fail; the run exits 1."""
-    monkeypatch.setenv("FAKE_CONTEXT_MIB", "620")
+    monkeypatch.setenv("FAKE_CONTEXT_MIB", str(gpu_check.DEFAULT_OVERHEAD_MIB + 120))
     monkeypatch.setenv("FAKE_LEAK_MIB", "5120")
     status, report, checks = _run(tmp_path, HolderGpu(stand_in_gpu), stand_in_gpu)
     failed = sorted(name for name, c in checks.items() if c["outcome"] == FAIL)
