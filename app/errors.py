@@ -261,6 +261,17 @@ HTTP_STATUS: dict[type[RequestError], int] = {
 }
 
 
+def request_errors() -> list[type[RequestError]]:
+    """Every kind of request error, depth first: what each protocol's status table must cover."""
+
+    def walk(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from walk(sub)
+
+    return list(walk(RequestError))
+
+
 def http_status(error: RequestError) -> int:
     """Return the HTTP status for a request error, from HTTP_STATUS."""
     for cls in type(error).__mro__:

@@ -187,27 +187,16 @@ def http_reference() -> str:
     return "\n".join(out)
 
 
-def _request_errors():
-    from app.errors import RequestError
-
-    def walk(cls):
-        for sub in cls.__subclasses__():
-            yield sub
-            yield from walk(sub)
-
-    return list(walk(RequestError))
-
-
 def errors_reference() -> str:
     """Every request error: its code, its status in each protocol, Retry-After, and what it means."""
     from app.http.errors import status_of
     from app.http.paths import DETECT, V1, V2
 
-    from app.errors import grpc_status
+    from app.errors import grpc_status, request_errors
 
     lines = ["| code | `/detect`, `/models`, `/gpu` | `/v2` (KServe) | `/v1` (TF Serving) | gRPC (both) | Retry-After | "
              "meaning |", "|---|---|---|---|---|---|---|"]
-    for cls in _request_errors():
+    for cls in request_errors():
         error = cls("")
         retry = f"{cls.retry_after_s} s" if getattr(cls, "retry_after_s", None) is not None else ""
         doc = (cls.__doc__ or "").strip().splitlines()[0]

@@ -320,21 +320,10 @@ def test_the_http_process_still_never_loads_tensorflow(server):
 
 # The status table ---------------------------------------------------------------------------------------------
 
-def _request_errors():
-    from app.errors import RequestError
-
-    def walk(cls):
-        for sub in cls.__subclasses__():
-            yield sub
-            yield from walk(sub)
-
-    return list(walk(RequestError))
-
-
 def test_every_request_error_has_a_grpc_status_and_bad_input_is_invalid_argument():
     from app import errors
 
-    codes = {cls: errors.grpc_status(cls("")) for cls in _request_errors()}
+    codes = {cls: errors.grpc_status(cls("")) for cls in errors.request_errors()}
     assert all(code in grpc.StatusCode.__members__ for code in codes.values()), codes
     for cls in (errors.InvalidBody, errors.InvalidParameter, errors.InvalidImage, errors.ImageTooLarge,
                 errors.UnsupportedImageFormat):
