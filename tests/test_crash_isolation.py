@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -187,7 +186,7 @@ def test_a_segfault_in_a_worker_or_in_the_server_leaves_every_threads_stack_in_t
     try:
         worker = _worker_pid(server)
         os.kill(worker, signal.SIGSEGV)
-        wait_for(lambda: (p := _worker_pid(server)) not in (None, worker), 60, "the worker restarted", server.log_path)
+        wait_for(lambda: _worker_pid(server) not in (None, worker), 60, "the worker restarted", server.log_path)
         log = server.log()
         assert "Fatal Python error: Segmentation fault" in log
         stacks = log.split("Fatal Python error: Segmentation fault", 1)[1]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from flask import g
 
-from ..errors import BadRequest, InvalidBody
+from ..errors import InvalidBody
 from ..http.app import SERVER_NAME, server_version, service
 from ..http.dataplane import requested_model, run_images, served_version, signature_of
 from ..http.models import check_load_parameters, index_rows
@@ -23,8 +23,8 @@ from ..http.v2 import (
     EXTENSIONS, describe, output_tensors, request_images, request_options, wanted_outputs,
 )
 from ..http.v2_codec import (
-    DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_shape, element_count,
-    serialize_bytes,
+    DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_requested_output,
+    check_shape, check_unique_inputs, element_count, refuse_shared_memory, serialize_bytes,
 )
 from .calls import deadline_of
 from .protos import grpc_service_pb2 as pb
@@ -138,7 +138,7 @@ def infer_request(request) -> InferRequest:
         if tensor.datatype not in DATATYPES:
             raise InvalidBody(f"{where} has datatype {tensor.datatype[:20]!r}; the datatypes are {', '.join(DATATYPES)}")
         shape = check_shape(list(tensor.shape), where)
-        _no_shared_memory(tensor.parameters, where)
+        refuse_shared_memory(tensor.parameters, where)
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidBody(f"{where} has both contents and raw_input_contents; send one")
@@ -148,20 +148,11 @@ def infer_request(request) -> InferRequest:
         else:
             raise InvalidBody(f"{where} has no data: neither contents nor raw_input_contents")
         inputs.append(Tensor(name, tensor.datatype, shape, data, binary=True))
-    names = [t.name for t in inputs]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise InvalidBody(f"duplicate input name {duplicate!r} is not allowed in a request")
+    check_unique_inputs(inputs)
     outputs, seen = [], set()
     for i, output in enumerate(request.outputs):
         name = _name(output.name, f"output {i}")
-        if name in seen:
-            raise InvalidBody(f"duplicate output name {name!r} is not allowed in a request")
-        seen.add(name)
-        _no_shared_memory(output.parameters, f"output {name!r}")
-        if "classification" in output.parameters:
-            raise BadRequest(f"output {name!r} asks for classification; the classification extension is not "
-                             "implemented")
+        check_requested_output(name, output.parameters, seen)
         outputs.append(RequestedOutput(name, True))
     parameters = parameter_values(request.parameters, "the request")
     parameters.pop("binary_data_output", None)  # gRPC answers are always raw
@@ -172,12 +163,6 @@ def _name(name: str, where: str) -> str:
     if not name or len(name) > MAX_NAME:
         raise InvalidBody(f"{where} needs a name: a non-empty string of at most {MAX_NAME} characters")
     return name
-
-
-def _no_shared_memory(parameters, where: str) -> None:
-    if any(key.startswith("shared_memory") for key in parameters):
-        raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not implemented: "
-                         "send the data in the request")
 
 
 def parameter_values(parameters, where: str) -> dict:

@@ -24,7 +24,7 @@ from ..http.dataplane import (
     check_image_count, decode_files, requested_model, run_images, served_version, signature_of, tensor_images,
 )
 from ..http.v1 import version_statuses
-from ..http.v1_codec import SIGNATURE
+from ..http.v1_codec import SIGNATURE, check_signature_name
 from ..http.v2_codec import MAX_RANK
 from ..inference.detections import stack_outputs
 from .calls import deadline_of
@@ -49,7 +49,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         settings = service().settings
         spec = request.model_spec
         model = requested_model(spec.name, _version(spec))
-        _check_signature(spec.signature_name)
+        check_signature_name(spec.signature_name)
         deadline = deadline_of(context, settings.request_deadline_s)
         with self._admission.admit(model):
             signature = signature_of(model, deadline)
@@ -113,11 +113,6 @@ def _version(spec) -> Optional[str]:
         raise InvalidBody(f"version labels are not supported (asked for {spec.version_label[:40]!r}); name a version "
                           "number or none")
     return str(spec.version.value) if spec.HasField("version") else None
-
-
-def _check_signature(name: str) -> None:
-    if name not in ("", SIGNATURE):
-        raise InvalidBody(f"serving signature name {name[:60]!r} not found; the model has {SIGNATURE!r}")
 
 
 def _spec(name: str, version: Optional[str]):

@@ -40,9 +40,7 @@ def parse_predict(body: bytes, input_name: str) -> PredictRequest:
     if unknown:
         raise InvalidBody(f"unknown field {unknown[0][:40]!r}; a predict request has signature_name and one of "
                           "instances or inputs")
-    signature = document.get("signature_name", SIGNATURE)
-    if signature not in (SIGNATURE, ""):
-        raise InvalidBody(f"serving signature name {str(signature)[:60]!r} not found; the model has {SIGNATURE!r}")
+    check_signature_name(document.get("signature_name", SIGNATURE))
     if ("instances" in document) == ("inputs" in document):
         raise InvalidBody("the request must have either 'instances' (the row form) or 'inputs' (the columnar "
                           "form), but not both")
@@ -52,6 +50,12 @@ def parse_predict(body: bytes, input_name: str) -> PredictRequest:
             raise InvalidBody("'instances' must be a non-empty list")
         return PredictRequest(True, tuple(_instance(x, input_name, f"instance {i}") for i, x in enumerate(instances)))
     return PredictRequest(False, _columns(_named(document["inputs"], input_name, "'inputs'"), "'inputs'"))
+
+
+def check_signature_name(name) -> None:
+    """Refuse a signature other than the one served ('' means it too), over REST or gRPC."""
+    if name not in (SIGNATURE, ""):
+        raise InvalidBody(f"serving signature name {str(name)[:60]!r} not found; the model has {SIGNATURE!r}")
 
 
 def _is_b64(value) -> bool:

@@ -102,10 +102,7 @@ def parse_infer_request(body: bytes, header_length: Optional[str]) -> InferReque
     if length is not None and offset != len(binary):
         raise InvalidBody(f"the body has {len(binary) - offset} bytes of binary data that no input claims "
                           f"(the inputs' binary_data_size add up to {offset}, and {len(binary)} follow the header)")
-    names = [t.name for t in inputs]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise InvalidBody(f"duplicate input name {duplicate!r} is not allowed in a request")
+    check_unique_inputs(inputs)
     outputs = _requested_outputs(document.get("outputs"))
     return InferRequest(request_id, tuple(inputs), outputs, binary_output, parameters)
 
@@ -159,9 +156,7 @@ def _input(raw, index: int, binary: Optional[memoryview]) -> tuple[Tensor, int]:
         raise InvalidBody(f"{where} has datatype {str(datatype)[:20]!r}; the datatypes are {', '.join(DATATYPES)}")
     shape = check_shape(raw.get("shape"), where)
     parameters = _parameters(raw.get("parameters"), where)
-    if any(key.startswith("shared_memory") for key in parameters):
-        raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not "
-                         "implemented: send the data in the body")
+    refuse_shared_memory(parameters, where)
     size = parameters.pop("binary_data_size", None)
     if size is None:
         if "data" not in raw:
@@ -283,6 +278,32 @@ def _typed(array: np.ndarray, datatype: str, where: str) -> np.ndarray:
     return array.astype(target)
 
 
+def check_unique_inputs(inputs: Sequence[Tensor]) -> None:
+    """Refuse a request that names an input twice (every transport of the protocol)."""
+    names = [t.name for t in inputs]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise InvalidBody(f"duplicate input name {duplicate!r} is not allowed in a request")
+
+
+def refuse_shared_memory(parameters: dict, where: str) -> None:
+    """Refuse a tensor that names a shared-memory region: those extensions are not implemented."""
+    if any(key.startswith("shared_memory") for key in parameters):
+        raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not "
+                         "implemented: send the data in the request")
+
+
+def check_requested_output(name: str, parameters: dict, seen: set) -> None:
+    """Check one requested output: named once (`seen` holds the names so far), no shared memory, no classification."""
+    where = f"output {name!r}"
+    if name in seen:
+        raise InvalidBody(f"duplicate output name {name!r} is not allowed in a request")
+    seen.add(name)
+    refuse_shared_memory(parameters, where)
+    if "classification" in parameters:
+        raise BadRequest(f"{where} asks for classification; the classification extension is not implemented")
+
+
 def _requested_outputs(value) -> Optional[tuple[RequestedOutput, ...]]:
     if value is None:
         return None
@@ -295,15 +316,8 @@ def _requested_outputs(value) -> Optional[tuple[RequestedOutput, ...]]:
         name = _name(raw, f"output {i}")
         where = f"output {name!r}"
         _only_keys(raw, ("name", "parameters"), where)
-        if name in seen:
-            raise InvalidBody(f"duplicate output name {name!r} is not allowed in a request")
-        seen.add(name)
         parameters = _parameters(raw.get("parameters"), where)
-        if any(key.startswith("shared_memory") for key in parameters):
-            raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not "
-                             "implemented")
-        if "classification" in parameters:
-            raise BadRequest(f"{where} asks for classification; the classification extension is not implemented")
+        check_requested_output(name, parameters, seen)
         binary = parameters.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidBody(f"{where}: binary_data must be true or false")
