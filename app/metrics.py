@@ -15,6 +15,9 @@ from .errors import NvmlUnavailable
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+# A stage can take 20 microseconds (a thread hand-off) or seconds (a queue under load).
+STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 10.0)
 MIB = 2**20
 
 # The *_created series double every counter's output and no dashboard here reads them.
@@ -39,6 +42,9 @@ class ServiceMetrics:
         self.images = Counter("detect_images", "Images run through the model.", ("model",), registry=r)
         self.queue_wait = Histogram("detect_queue_wait_seconds", "Time an image waited in the queue before its call.",
                                     ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.stage_latency = Histogram(
+            "detect_request_stage_seconds", "Time an inference request spent in each stage (app/timeline.py), by "
+            "model and stage.", ("model", "stage"), buckets=STAGE_BUCKETS, registry=r)
         self.out_of_memory = Counter("detect_out_of_memory", "Images that ran out of memory alone under the cap.",
                                      ("model",), registry=r)
         # gRPC calls, by their full method name (/inference.GRPCInferenceService/ModelInfer) and status code name.
@@ -67,6 +73,11 @@ class ServiceMetrics:
         self.inference_latency.labels(model=model).observe(seconds)
         self.images_per_call.labels(model=model).observe(images)
         self.images.labels(model=model).inc(images)
+
+    def observe_stages(self, model: str, timeline) -> None:
+        """Record where one inference request's time went (an app.timeline.Timeline)."""
+        for stage, seconds in timeline.seconds.items():
+            self.stage_latency.labels(model=model, stage=stage).observe(seconds)
 
     def observe_load(self, model: str, seconds: float) -> None:
         self.model_loads.labels(model=model).inc()

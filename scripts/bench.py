@@ -569,37 +569,48 @@ def _print_row(step: dict) -> None:
 
 
 def profile_step(server: ServerProcess, images: Path, out: Path, args) -> Optional[dict]:
-    """Run one extra step at --profile-at connections under py-spy (kept out of the sweep's figures)."""
+    """Run two extra steps at --profile-at connections under py-spy (kept out of the sweep's figures).
+
+    The first records the server and its workers (--subprocesses) as collapsed stacks and sums them; the
+    second draws the same as a flame graph, profile-c<N>.svg.
+    """
     spy = Path(sys.executable).with_name("py-spy")
     if not spy.exists():
         print("  py-spy is not in the venv (pip install py-spy): no profile", file=sys.stderr)
         return None
     connections, path = args.profile_at, out / f"profile-c{args.profile_at}.txt"
     seconds = max(2, int(args.duration))
-    print(f"  profiling the server with py-spy for {seconds} s at {connections} connections", file=sys.stderr)
-    # --nonblocking: sampling never pauses the server, so the profile does not change what it measures.
-    spy_process = subprocess.Popen(
-        [str(spy), "record", "--pid", str(server.pid), "--duration", str(seconds), "--rate", "200",
-         "--nonblocking", "--threads", "--idle", "--format", "raw",
-         "--output", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    result = drive(server, images, out / f"loadgen-profile-c{connections}.json", f"profile c={connections}",
-                   connections, seconds + 1, timeout_s=args.request_timeout)
-    _, err = spy_process.communicate(timeout=120)
-    if not path.exists():
-        print(f"  py-spy wrote no profile: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
-        return None
-    summary = summarize_profile(path)
-    summary["step"] = _step_figures(connections, result)
-    print(f"  profile: {summary['busy_percent']}% of thread samples busy; busy time by thread "
-          f"{summary['busy_by_thread']}", file=sys.stderr)
-    for name, share in summary["busy_self"][:8]:
-        print(f"    {share:5.1f}%  {name}", file=sys.stderr)
+    summary = None
+    for kind, target in (("raw", path), ("flamegraph", path.with_suffix(".svg"))):
+        print(f"  profiling the server and its workers with py-spy ({kind}) for {seconds} s at {connections} "
+              "connections", file=sys.stderr)
+        # --nonblocking: sampling never pauses the server, so the profile does not change what it measures.
+        spy_process = subprocess.Popen(
+            [str(spy), "record", "--pid", str(server.pid), "--subprocesses", "--duration", str(seconds),
+             "--rate", "200", "--nonblocking", "--threads", "--idle", "--format", kind, "--output", str(target)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        result = drive(server, images, out / f"loadgen-profile-c{connections}.json", f"profile c={connections}",
+                       connections, seconds + 1, timeout_s=args.request_timeout)
+        _, err = spy_process.communicate(timeout=120)
+        if not target.exists():
+            print(f"  py-spy wrote no profile: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
+            return summary
+        if kind == "raw":
+            summary = summarize_profile(path)
+            summary["step"] = _step_figures(connections, result)
+            print(f"  profile: {summary['busy_percent']}% of thread samples busy; busy time by thread "
+                  f"{summary['busy_by_thread']}", file=sys.stderr)
+            for name, share in summary["busy_self"][:8]:
+                print(f"    {share:5.1f}%  {name}", file=sys.stderr)
+        else:
+            summary["flame_graph"] = str(target)
     return summary
 
 
 # A sample whose innermost frame is one of these is a thread waiting, not working.
 IDLE = re.compile(r"^(Condition\.wait|Event\.wait|wait|_wait_for_tstate_lock|EPollReactor\.doPoll|select|"
                   r"poll|sleep|acquire|Future\.result|_worker|get|epoll_wait|pthread_cond_.*wait.*|"
+                  r"_receive_with_fds|_readable|receive|recvmsg|_serve|"
                   r"futex.*|__futex.*|syscall|nanosleep|clock_nanosleep)\b")
 
 

@@ -112,6 +112,15 @@ def metrics_reference() -> str:
     return "\n".join(lines)
 
 
+def stages_reference() -> str:
+    """The stages of an inference request (app/timeline.py), in the order a request meets them."""
+    from app.timeline import STAGES
+
+    rows = ["| stage | what it times |", "|---|---|"]
+    rows += [f"| `{stage}` | {_sentence(text)} |" for stage, text in STAGES.items()]
+    return "\n".join(rows) + "\n"
+
+
 def openapi_document() -> dict:
     """The document GET /openapi.json serves, for a server holding the committed models."""
     from app import __version__
@@ -231,6 +240,7 @@ GENERATED = {
     "settings table": settings_table,
     "cli": cli_reference,
     "metrics": metrics_reference,
+    "request stages": stages_reference,
     "http routes": http_reference,
     "error codes": errors_reference,
     "boot errors": boot_errors_reference,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -89,7 +89,7 @@ class _Gate:
         self.release = threading.Event()
         self.calls = []
 
-    def __call__(self, images, deadline):
+    def __call__(self, images, deadline, call):
         self.calls.append(len(images))
         self.release.wait(10)
         return [f"answer-{int(image[0, 0, 0])}" for image in images]
@@ -99,17 +99,29 @@ def _tagged(tag: int):
     return np.full((4, 4, 3), tag, np.uint8)
 
 
+def _submit_elsewhere(queue: InferenceQueue, images, deadline: float) -> Future:
+    """Submit from a thread of its own: a lone request makes its call in the submitting thread, which the
+    gate holds. The returned future gives the submitted images' futures once the call is over."""
+    submitting: Future = Future()
+
+    def submit():
+        submitting.set_result(queue.submit(images, deadline))
+
+    threading.Thread(target=submit, daemon=True).start()
+    time.sleep(0.1)  # it is running (and blocks on the gate) by now
+    return submitting
+
+
 def test_a_full_queue_refuses_at_once_and_nothing_accepted_is_lost():
     gate = _Gate()
     queue = InferenceQueue(gate, max_batch=2, max_delay_s=0, threads=1, max_queue=3)
     far = time.monotonic() + 60
-    first = queue.submit([_tagged(1)], far)
-    time.sleep(0.1)  # the worker takes it and blocks
+    first = _submit_elsewhere(queue, [_tagged(1)], far)
     accepted = queue.submit([_tagged(2), _tagged(3), _tagged(4)], far)
     with pytest.raises(Overloaded, match="queue is full"):
         queue.submit([_tagged(5)], far)
     gate.release.set()
-    assert [f.result(5) for f in first + accepted] == ["answer-1", "answer-2", "answer-3", "answer-4"]
+    assert [f.result(5) for f in first.result(5) + accepted] == ["answer-1", "answer-2", "answer-3", "answer-4"]
     queue.close()
     assert gate.calls == [1, 2, 1]
 
@@ -117,16 +129,68 @@ def test_a_full_queue_refuses_at_once_and_nothing_accepted_is_lost():
 def test_an_image_whose_deadline_passed_is_answered_not_run():
     gate = _Gate()
     queue = InferenceQueue(gate, max_batch=1, max_delay_s=0, threads=1, max_queue=10)
-    blocker = queue.submit([_tagged(1)], time.monotonic() + 60)
-    time.sleep(0.1)
+    blocker = _submit_elsewhere(queue, [_tagged(1)], time.monotonic() + 60)
     late = queue.submit([_tagged(2)], time.monotonic() + 0.05)
     time.sleep(0.2)
     gate.release.set()
-    assert blocker[0].result(5) == "answer-1"
+    assert blocker.result(5)[0].result(5) == "answer-1"
     with pytest.raises(DeadlineExceeded):
         late[0].result(5)
     queue.close()
     assert gate.calls == [1]
+
+
+def test_a_lone_request_makes_its_call_in_its_own_thread_and_a_busy_queue_batches():
+    threads, running, most = [], [0], [0]
+    lock = threading.Lock()
+
+    def run_batch(images, deadline, call):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        threads.append(threading.current_thread().name)
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return [f"answer-{int(image[0, 0, 0])}" for image in images]
+
+    queue = InferenceQueue(run_batch, max_batch=8, max_delay_s=0, threads=2, max_queue=100)
+    far = time.monotonic() + 60
+    assert [f.result(5) for f in queue.submit([_tagged(7)], far)] == ["answer-7"]
+    assert threads == [threading.current_thread().name]  # no batching thread took part
+    with ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(lambda i: [f.result(10) for f in queue.submit([_tagged(i)], far)], range(96)))
+    queue.close()
+    assert answers == [[f"answer-{i}"] for i in range(96)]
+    assert most[0] <= 2, "never more calls at once than inference_threads, whoever makes them"
+    assert len(threads) < 97, "requests that found others waiting shared calls"
+    assert any(name.startswith("inference-") for name in threads)
+
+
+def test_a_stopped_worker_costs_its_requests_their_deadline_not_the_server(app_factory, slow_blob_model_dir):
+    """A worker frozen (SIGSTOP) past the deadline: each request gets 504 at its deadline, none hangs; once it
+    runs again, the late answers free its lanes and the next request is answered."""
+    import os
+    import signal
+
+    with running_registry(slow_blob_model_dir, spare_workers=0, inference_threads=2) as registry:
+        client = app_factory(models=registry, request_deadline_s=2.0).test_client()
+        worker = registry.get("slowblob").worker
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                started = time.monotonic()
+                answers = list(pool.map(lambda _: client.post("/detect", data=encode(blob_image(8, 8, {})),
+                                                              content_type="image/png"), range(4)))
+                took = time.monotonic() - started
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert [a.status_code for a in answers] == [504] * 4
+        assert took < 8.0, f"requests waited {took:.1f} s for a frozen worker with a 2 s deadline"
+        patient = app_factory(models=registry, request_deadline_s=30.0).test_client()  # the late calls run first
+        after = patient.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
+        assert after.status_code == 200, after.json
+        assert registry.get("slowblob").worker is worker, "a frozen worker that came back is not restarted"
 
 
 def test_the_request_gets_504_when_its_deadline_passes_while_waiting(app_factory, slow_blob_model_dir):
@@ -141,12 +205,12 @@ def test_a_request_whose_images_do_not_fit_the_queue_gets_503_with_retry_after(a
                           inference_threads=1) as registry:
         model = registry.get("slowblob")
         far = time.monotonic() + 60
-        running = model.queue.submit([_tagged(1)], far)  # taken by the one inference thread
-        time.sleep(0.3)
+        running = _submit_elsewhere(model.queue, [_tagged(1)], far)  # the one call that may run
+        time.sleep(0.2)
         waiting = model.queue.submit([_tagged(2)], far)  # fills the queue
         client = app_factory(models=registry).test_client()
         response = client.post("/detect", data=encode(blob_image(8, 8, {})), content_type="image/png")
-        for future in running + waiting:
+        for future in running.result(60) + waiting:
             future.result(60)
     assert response.status_code == 503
     assert response.headers["Retry-After"] == "1"

@@ -229,3 +229,22 @@ def test_a_reader_gets_an_error_not_sigbus_when_the_batch_is_larger_than_the_lan
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_receive_that_times_out_reads_nothing_and_the_late_message_arrives_whole():
+    """What lets a call give up at its deadline: the lane stays in step for whoever reads the late answer."""
+    from app.models.channel import Channel, NothingYet
+
+    mine, theirs = Channel.pair()
+    other = Channel(theirs)
+    try:
+        with pytest.raises(NothingYet):
+            mine.receive(timeout_s=0.05)
+        other.send({"errors": [None]}, {"boxes": np.arange(12, dtype=np.float32).reshape(3, 4)})
+        header, arrays, _ = mine.receive(timeout_s=5.0)
+        assert header == {"errors": [None]} and arrays["boxes"].tolist() == np.arange(12).reshape(3, 4).tolist()
+        with pytest.raises(NothingYet):
+            mine.receive(timeout_s=0.0)  # a deadline already past still reads nothing
+    finally:
+        mine.close()
+        other.close()

@@ -233,6 +233,27 @@ def test_metrics_count_requests_and_model_calls(server):
     assert re.search(r'^detect_model_memory_bytes\{model="blob",source="rss"\} [1-9]', text, re.M)
 
 
+def test_timing_stages_say_where_a_request_s_time_went_and_metrics_keep_every_stage(server):
+    image = encode(blob_image(64, 48, {1: (8, 8, 30, 30)}))
+    status, _, body = server.request("POST", "/detect?timing=stages", image, {"Content-Type": "image/png"})
+    assert status == 200
+    timing = body["timing_ms"]
+    stages = timing["stages"]
+    # In the order a request meets them; `load` only when it waited for one; encode and write end after the body.
+    assert list(stages) == ["receive", "decode", "queue", "batch", "send", "inference", "return", "wake"]
+    assert all(ms >= 0 for ms in stages.values()) and stages["inference"] > 0
+    # The stages from the handler on follow one another without gaps: they add up to the app's own total.
+    assert sum(ms for stage, ms in stages.items() if stage != "receive") == pytest.approx(timing["total"], abs=1.0)
+    status, _, _ = server.request("POST", "/detect?timing=everything", image, {"Content-Type": "image/png"})
+    assert status == 400
+    status, _, text = server.request("GET", "/metrics")
+    counts = dict(re.findall(r'^detect_request_stage_seconds_count\{model="blob",stage="(\w+)"\} (\S+)', text.decode(),
+                             re.M))
+    assert set(counts) >= {"receive", "decode", "queue", "batch", "send", "inference", "return", "wake", "encode",
+                           "write"}
+    assert counts["write"] == counts["decode"], "every request that ran images was observed once, when written"
+
+
 def test_every_request_leaves_one_access_log_line(server):
     server.request("GET", "/healthz?probe=access-log")
     deadline = time.monotonic() + 15  # the line is written once the response has gone out

@@ -244,7 +244,9 @@ def test_a_new_version_copied_in_under_load_takes_over_without_a_failed_request(
         # The old worker drains after the new one serves, then exits: on a busy machine, a moment later.
         wait_for(lambda: _gone(old), 30, "the old version's worker to exit", server.log_path)
         assert model["versions"] == [{"version": "1", "state": "unloaded"}, {"version": "2", "state": "ready"}]
-        assert _metric(server, 'detect_model_unloads_total{model="alpha",reason="replaced"}') == 1.0
+        # Counted once stop() has returned, which a moment may separate from the exit itself.
+        wait_for(lambda: _metric(server, 'detect_model_unloads_total{model="alpha",reason="replaced"}') == 1.0, 10,
+                 "the replaced worker's unload to be counted", server.log_path)
         drained_first = "the old one drains first" in server.log()
         assert drained_first == (budget == "one fits")
     finally:

@@ -23,6 +23,7 @@ from flask import g
 
 from ..errors import NotReady, Overloaded, RequestError, grpc_status
 from ..http.access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, group_refusal
+from ..timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +94,16 @@ class CallInterceptor(grpc.ServerInterceptor):
             code, message, model = "OK", "", ""
             try:
                 with self._app.app_context():
+                    g.timeline = Timeline()
                     try:
                         refused = self._refusal(group, headers, context)
                         if refused is not None:
                             raise refused
-                        return behaviour(request, context)
+                        answer = behaviour(request, context)
+                        if "decode" in g.timeline.seconds:  # it ran images: record where the time went
+                            g.timeline.lap("encode")
+                            self._metrics.observe_stages(g.get("model", ""), g.timeline)
+                        return answer
                     except RequestError as error:
                         code, message = grpc_status(error), error.message
                     except Exception:

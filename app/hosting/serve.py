@@ -191,9 +191,8 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
     """Host the app in two WSGI thread pools behind the service's Site; return the site and the pools."""
     from twisted.internet import reactor
     from twisted.python.threadpool import ThreadPool
-    from twisted.web.wsgi import WSGIResource
 
-    from .site import DetectSite, ProbeFirstRoot, whole_body_input
+    from .site import DetectSite, ProbeFirstRoot, TimedWSGIResource, whole_body_input
 
     wsgi_app = whole_body_input(app)
     resources, pools = [], []
@@ -201,7 +200,7 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
         pool = ThreadPool(minthreads=1, maxthreads=size, name=name)
         reactor.callWhenRunning(pool.start)
         pools.append(pool)
-        resources.append(WSGIResource(reactor, pool, wsgi_app))
+        resources.append(TimedWSGIResource(reactor, pool, wsgi_app))
 
     def queue_refusal(target: str):
         try:
@@ -218,7 +217,7 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
         metrics.observe_refusal(route, status, name)
 
     site = DetectSite(ProbeFirstRoot(*resources), settings, lifecycle, on_refused=refused,
-                      queue_refusal=queue_refusal)
+                      queue_refusal=queue_refusal, on_stages=metrics.observe_stages)
     metrics.watch_in_flight(lambda: site.in_flight)
     return site, pools
 

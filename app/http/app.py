@@ -14,6 +14,7 @@ from .. import __version__
 from ..errors import BadRequest, BodyTooLarge, InternalError, MethodNotAllowed, NotFound, RequestError
 from ..metrics import ServiceMetrics
 from ..settings import Settings
+from ..timeline import RECEIVED_KEY, TIMELINE_KEY, Timeline
 from .access import parse_restricted_api, refusal
 from .errors import error_answer
 from .headers import install_headers
@@ -113,6 +114,10 @@ def _unexpected_error(error: Exception):
 
 def _start_timer():
     g.started = time.perf_counter()
+    # The I/O thread marks when the body began to arrive (app/hosting/site.py); what came before the
+    # handler is the `receive` stage.
+    g.timeline = Timeline(start=request.environ.get(RECEIVED_KEY))
+    g.timeline.lap("receive")
 
 
 def _check_access():
@@ -125,4 +130,8 @@ def _record_request(response):
     rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
     service().metrics.observe_request(rule, response.status_code, time.perf_counter() - g.get("started", 0.0),
                                       g.get("model", ""))
+    timeline = g.get("timeline")
+    if timeline is not None and "decode" in timeline.seconds:  # the request ran images: its stages are recorded
+        timeline.lap("encode")
+        request.environ[TIMELINE_KEY] = (g.get("model", ""), timeline)  # the I/O thread adds `write`, observes all
     return response

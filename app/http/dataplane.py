@@ -18,6 +18,7 @@ from flask import g
 from ..errors import DetectError, ImageTooLarge, InferenceFailed, InvalidBody, VersionNotFound
 from ..inference.detections import ModelOutputs
 from ..inference.images import DecodedImage, decode_image
+from ..timeline import Timeline
 from .app import service
 
 log = logging.getLogger(__name__)
@@ -40,16 +41,21 @@ def run_images(model, prepare: Callable[[], list[DecodedImage]], deadline: float
     """Admit a request to `model`, get its images from `prepare()`, and run them through the model's queue.
 
     `prepare` runs after admission, so an unloaded model loads while the images decode; it raises the
-    request's own errors (bad input, too large). A model that raises fails this request alone.
+    request's own errors (bad input, too large). A model that raises fails this request alone. The stages
+    go to the request's timeline, `g.timeline`, which the protocol layer starts (app/timeline.py).
     """
     started = time.perf_counter()
+    timeline = g.get("timeline") or Timeline()
     model.admit()  # holds the model loaded, and starts loading it if it is not, while the images decode
     try:
         images = prepare()
         decoded = time.perf_counter()
+        timeline.lap("decode")
         load_s = model.wait_ready(deadline)
+        if load_s > 0:
+            timeline.lap("load")
         try:
-            outputs = model.detect_outputs([image.pixels for image in images], deadline)
+            outputs = model.detect_outputs([image.pixels for image in images], deadline, timeline)
         except DetectError:
             raise
         except Exception as exc:

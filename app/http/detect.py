@@ -38,6 +38,8 @@ def _detect(model):
         timing["load"] = round(run.load_s * 1000, 2)
     timing["inference"] = round(run.inference_s * 1000, 2)
     timing["total"] = round(run.total_s * 1000, 2)
+    if params.stages:
+        timing["stages"] = g.timeline.ms()  # up to the answer: `encode` and `write` end after it is built
     labels = model.labels
     answers = [
         {"width": image.width, "height": image.height,

@@ -22,16 +22,23 @@ class DetectParams:
 
     threshold: float
     max_detections: int
+    stages: bool = False  # timing=stages: timing_ms also says where the time went, stage by stage
 
 
 def parse_params(args, default_threshold: float) -> DetectParams:
-    """Parse `threshold` (0..1) and `max_detections` (1..1000) from a mapping of query strings."""
-    unknown = sorted(set(args) - {"threshold", "max_detections"})
+    """Parse `threshold` (0..1), `max_detections` (1..1000) and `timing` (stages) from a mapping of query strings."""
+    unknown = sorted(set(args) - {"threshold", "max_detections", "timing"})
     if unknown:
-        raise InvalidParameter(f"unknown query parameter {unknown[0]!r}; /detect takes threshold and max_detections")
+        raise InvalidParameter(f"unknown query parameter {unknown[0]!r}; /detect takes threshold, max_detections "
+                               "and timing")
+    timing = args.get("timing")
+    if timing not in (None, "stages"):
+        raise InvalidParameter(f"timing must be 'stages' (timing_ms then breaks the time down by stage), not "
+                               f"{timing[:40]!r}")
     return DetectParams(
         threshold=parse_threshold(args.get("threshold"), default_threshold),
         max_detections=parse_max_detections(args.get("max_detections")),
+        stages=timing == "stages",
     )
 
 

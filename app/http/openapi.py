@@ -86,7 +86,9 @@ def _schemas() -> dict:
                 "name": string, "version": nullable_string}},
             "width": integer, "height": integer, "detections": {"type": "array", "items": _ref("Detection")},
             "results": {"type": "array", "items": _ref("ImageResult")},
-            "timing_ms": {"type": "object", "additionalProperties": number}},
+            "timing_ms": {"type": "object", "additionalProperties": number, "properties": {
+                "stages": {"type": "object", "additionalProperties": number,
+                           "description": "with timing=stages: milliseconds by stage (app/timeline.py)"}}}},
             "description": "one image: width, height and detections; several (or the JSON 'images' list): results"},
         "Model": {"type": "object", "required": ["name", "state", "version", "versions"], "properties": {
             "name": string, "state": {"enum": ["unloaded", "loading", "ready", "unloading", "failed"]},
@@ -180,6 +182,8 @@ def document(model_names: list[str], version: str, title: str) -> dict:
          "description": "score threshold (default: the default_threshold setting)"},
         {"name": "max_detections", "in": "query",
          "schema": {"type": "integer", "minimum": 1, "maximum": MAX_DETECTIONS_LIMIT}},
+        {"name": "timing", "in": "query", "schema": {"type": "string", "enum": ["stages"]},
+         "description": "stages: timing_ms.stages breaks the time down by stage (the metrics reference lists them)"},
     ]
     detect_body = {"required": True, "content": {
         **{kind: {"schema": binary} for kind in IMAGE_TYPES},

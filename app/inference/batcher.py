@@ -4,9 +4,12 @@ Request threads `submit` images and wait on futures; `inference_threads` worker 
 oldest image, gather up to `max_batch` images of the same size (stacking needs equal shapes, so
 answers stay exactly what the model gives each image alone), waiting at most `max_delay_s` from
 that image's arrival for the batch to fill (as TF Serving's batch timeout and Triton's queue delay
-do), and make one model call. A full queue refuses
-at once (Overloaded); an image whose deadline passed before its call is answered DeadlineExceeded
-rather than run. Every submitted image gets exactly one answer, in the position it came from.
+do), and make one model call. A request that finds nothing waiting and a call free makes its call
+at once in its own thread (no hand-off to a batching thread and back: on an idle virtual CPU each
+wake-up costs a quarter of a millisecond). At most `threads` calls run at once either way. A full
+queue refuses at once (Overloaded); an image whose deadline passed before its call is answered
+DeadlineExceeded rather than run. Every submitted image gets exactly one answer, in the position it
+came from.
 """
 
 from __future__ import annotations
@@ -16,27 +19,35 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..errors import DeadlineExceeded, DetectError, NotReady, Overloaded
+from ..timeline import CallTimes, Timeline
 
 log = logging.getLogger(__name__)
 
-# Runs one model call on images of one shape, by the latest deadline among them; returns one result (or
-# error) per image.
-RunBatch = Callable[[list[np.ndarray], float], list]
+# Runs one model call on images of one shape, by the latest deadline among them, filling in the call's
+# marks; returns one result (or error) per image.
+RunBatch = Callable[[list[np.ndarray], float, CallTimes], list]
 
 
-@dataclass
-class _Item:
-    image: np.ndarray
-    request: int  # id of the submitting request
-    deadline: float  # time.monotonic() after which running it is pointless
-    future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.monotonic)
+class QueuedImage(Future):
+    """One submitted image: the future of its answer, and the marks of its way through the queue."""
+
+    def __init__(self, image: np.ndarray, request: int, deadline: float):
+        super().__init__()
+        self.image = image
+        self.request = request  # id of the submitting request
+        self.deadline = deadline  # time.monotonic() after which running it is pointless
+        self.enqueued = time.monotonic()
+        self.taken = 0.0  # when a batching thread took it
+        self.call: Optional[CallTimes] = None  # its model call's marks, once it had one
+
+    def add_stages(self, timeline: Timeline, woken: float) -> None:
+        """Add this image's queue, batch, call and wake stages to its request's timeline."""
+        timeline.add_image(self.enqueued, self.taken or woken, self.call, woken)
 
 
 class InferenceQueue:
@@ -49,10 +60,12 @@ class InferenceQueue:
         self._max_delay_s = max_delay_s
         self._max_queue = max_queue
         self._on_wait = on_wait
-        self._pending: deque[_Item] = deque()
+        self._pending: deque[QueuedImage] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._next_request = 0
+        self._threads = threads
+        self._running = 0  # model calls under way, whether in a batching thread or in a request's own
         self._workers = [
             threading.Thread(target=self._work, name=f"inference-{i}", daemon=True) for i in range(threads)
         ]
@@ -87,8 +100,8 @@ class InferenceQueue:
             "retry shortly"
         )
 
-    def submit(self, images: Sequence[np.ndarray], deadline: float) -> list[Future]:
-        """Queue one request's images; raise Overloaded at once if they do not fit."""
+    def submit(self, images: Sequence[np.ndarray], deadline: float) -> list[QueuedImage]:
+        """Queue one request's images; return their futures; raise Overloaded at once if they do not fit."""
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
@@ -96,10 +109,42 @@ class InferenceQueue:
             if refused is not None:
                 raise refused
             self._next_request += 1
-            items = [_Item(image=image, request=self._next_request, deadline=deadline) for image in images]
-            self._pending.extend(items)
-            self._cond.notify_all()
-        return [item.future for item in items]
+            items = [QueuedImage(image, self._next_request, deadline) for image in images]
+            now_in_this_thread = self._may_run_now(items)
+            if now_in_this_thread:
+                self._running += 1
+            else:
+                self._pending.extend(items)
+                self._cond.notify()
+        if now_in_this_thread:
+            self._run_here(items)
+        return items
+
+    def _may_run_now(self, items: list[QueuedImage]) -> bool:
+        """Whether a request's images make their call at once, in its own thread (under the lock).
+
+        Only when nothing waits and a call may start (so no image is overtaken and no batch is missed),
+        the images fit one call and share a shape, and no delay was asked for (max_batch_delay_ms 0): a
+        lone request then crosses no thread on its way to the worker and back, as Triton's dynamic
+        batcher without a queue delay sends it at once.
+        """
+        return (not self._pending and self._running < self._threads and self._max_delay_s <= 0
+                and len(items) <= self._max_batch and all(item.image.shape == items[0].image.shape for item in items))
+
+    def _run_here(self, items: list[QueuedImage]) -> None:
+        now = time.monotonic()
+        for item in items:
+            item.taken = now
+        try:
+            self._run(items)
+        finally:
+            self._call_done()
+
+    def _call_done(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if self._pending:
+                self._cond.notify()  # a batching thread may take what waits
 
     def close(self, timeout: float = 30.0) -> None:
         """Run what is queued, then stop the workers."""
@@ -114,15 +159,21 @@ class InferenceQueue:
             batch = self._take_batch()
             if batch is None:
                 return
-            self._run(batch)
+            try:
+                self._run(batch)
+            finally:
+                self._call_done()
 
-    def _take_batch(self) -> Optional[list[_Item]]:
+    def _take_batch(self) -> Optional[list[QueuedImage]]:
+        """Wait for images and a free call (at most `threads` at once); take the oldest and its company."""
         with self._cond:
-            while not self._pending:
-                if self._closed:
+            while not self._pending or self._running >= self._threads:
+                if self._closed and not self._pending:
                     return None
                 self._cond.wait()
+            self._running += 1
             first = self._pending.popleft()
+            first.taken = time.monotonic()
             batch = [first]
             wait_until = first.enqueued + self._max_delay_s
             while len(batch) < self._max_batch:
@@ -135,30 +186,38 @@ class InferenceQueue:
                 self._cond.wait(remaining)
             return batch
 
-    def _take_matching(self, batch: list[_Item], shape) -> None:
-        kept: deque[_Item] = deque()
+    def _take_matching(self, batch: list[QueuedImage], shape) -> None:
+        kept: deque[QueuedImage] = deque()
+        now = time.monotonic()
         while self._pending and len(batch) < self._max_batch:
             item = self._pending.popleft()
-            (batch if item.image.shape == shape else kept).append(item)
+            if item.image.shape == shape:
+                item.taken = now
+                batch.append(item)
+            else:
+                kept.append(item)
         kept.extend(self._pending)
         self._pending = kept
 
-    def _run(self, batch: list[_Item]) -> None:
+    def _run(self, batch: list[QueuedImage]) -> None:
         now = time.monotonic()
         live = []
         for item in batch:
-            if not item.future.set_running_or_notify_cancel():
+            if not item.set_running_or_notify_cancel():
                 continue  # its request gave up waiting
             if now > item.deadline:
-                item.future.set_exception(DeadlineExceeded("the request deadline passed before its model call"))
+                item.set_exception(DeadlineExceeded("the request deadline passed before its model call"))
                 continue
             if self._on_wait is not None:
                 self._on_wait(now - item.enqueued)
             live.append(item)
         if not live:
             return
+        call = CallTimes()
+        for item in live:
+            item.call = call
         try:
-            results = self._run_batch([item.image for item in live], max(item.deadline for item in live))
+            results = self._run_batch([item.image for item in live], max(item.deadline for item in live), call)
         except DetectError as exc:  # the model cannot run now (unavailable, not loaded): every image's answer
             results = [exc] * len(live)
         except Exception as exc:  # run_batch isolates per-image failures; this is a last resort
@@ -166,6 +225,6 @@ class InferenceQueue:
             results = [exc] * len(live)
         for item, result in zip(live, results):
             if isinstance(result, BaseException):
-                item.future.set_exception(result)
+                item.set_exception(result)
             else:
-                item.future.set_result(result)
+                item.set_result(result)

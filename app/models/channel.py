@@ -20,8 +20,10 @@ buffer closes its descriptor only, which no mapping needs. Only the file's size 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -37,6 +39,10 @@ PAGE = mmap.PAGESIZE
 
 class ChannelClosed(EOFError):
     """The other end closed the socket or went away."""
+
+
+class NothingYet(TimeoutError):
+    """No message arrived within a receive's timeout; the channel is still in step."""
 
 
 class Channel:
@@ -76,8 +82,14 @@ class Channel:
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise ChannelClosed(f"the channel is closed: {exc}") from None
 
-    def receive(self) -> tuple[dict, dict[str, np.ndarray], list[int]]:
-        """Read one message: its header, its arrays and the descriptors that came with it."""
+    def receive(self, timeout_s: Optional[float] = None) -> tuple[dict, dict[str, np.ndarray], list[int]]:
+        """Read one message: its header, its arrays and the descriptors that came with it.
+
+        With `timeout_s`, raise NothingYet if no byte of a message arrives in that time; nothing has been
+        read then, so a later receive reads the message whole. Once it begins, a message is read whole.
+        """
+        if timeout_s is not None and not self._readable(timeout_s):
+            raise NothingYet(f"no message within {timeout_s:.3f} s")
         first, fds = self._receive_with_fds(_LENGTH.size)
         length = _LENGTH.unpack(first + self._read_exact(_LENGTH.size - len(first)))[0]
         if length > MAX_HEADER_BYTES:
@@ -89,6 +101,14 @@ class Channel:
             self._read_into(memoryview(array).cast("B") if array.nbytes else memoryview(b""))
             arrays[spec["name"]] = array
         return header, arrays, fds
+
+    def _readable(self, timeout_s: float) -> bool:
+        poller = select.poll()  # not select(): a busy server's descriptors pass 1024
+        try:
+            poller.register(self._sock, select.POLLIN)
+            return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+        except (OSError, ValueError):  # closed under us: let the read say so
+            return True
 
     def _receive_with_fds(self, size: int) -> tuple[bytes, list[int]]:
         # Descriptors ride on the first bytes of the message they came with: read those with recvmsg.

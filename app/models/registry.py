@@ -40,6 +40,7 @@ from ..inference.labels import load_label_map
 from ..inference.working_size import WorkingSize, read_working_size
 from ..settings import ModelSettings, Settings
 from ..supervision import BOOT_ERROR, ExitHistory, RestartRule, describe_exit
+from ..timeline import CallTimes, Timeline
 from .history import MemoryHistory, sample_memory
 from .repository import ModelRepository, ModelSource, ModelVersion, fingerprint
 from .workers import WorkerPool, WorkerProcess
@@ -192,17 +193,20 @@ class ServedModel:
                                     f"({self.registry.settings.request_deadline_s:g} s)")
         return ModelUnavailable(f"model {self.name} is unavailable: {self.reason or 'its worker is not back'}")
 
-    def detect_outputs(self, images, deadline: float) -> list:
-        """Queue the images and wait for the model's outputs, one per image; raise per-image errors."""
+    def detect_outputs(self, images, deadline: float, timeline: Optional[Timeline] = None) -> list:
+        """Queue the images and wait for the model's outputs, one per image; raise per-image errors.
+
+        With a `timeline`, add the stages from the queue to the request's thread having the answers.
+        """
         from concurrent.futures import TimeoutError as FutureTimeout
 
-        futures = self.queue.submit(images, deadline)
+        queued = self.queue.submit(images, deadline)
         outputs = []
-        for future in futures:
+        for future in queued:
             try:
                 outputs.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
-                for pending in futures:
+                for pending in queued:
                     pending.cancel()
                 with self.registry.lock:
                     if self.state != "ready":  # it went away meanwhile: say so rather than "busy"
@@ -210,15 +214,21 @@ class ServedModel:
                 raise DeadlineExceeded(
                     f"no answer within the request deadline of {self.registry.settings.request_deadline_s:g} s; "
                     "the server is busy") from None
+        if timeline is not None and queued:
+            last = max(queued, key=lambda item: item.call.read if item.call is not None else item.taken)
+            last.add_stages(timeline, time.monotonic())
         return outputs
 
-    def _run_batch(self, images, deadline: float) -> list:
-        """Run one batch on the serving worker; on a crash, again on its successor while the deadline allows."""
+    def _run_batch(self, images, deadline: float, call: CallTimes) -> list:
+        """Run one batch on the serving worker; on a crash, again on its successor while the deadline allows.
+
+        `call` gets the marks of the attempt that answered; the time of one lost to a crash counts as batching.
+        """
         while True:
             with self.registry.lock:
                 worker = self._worker_or_wait(deadline, for_request=False)
             try:
-                results = worker.run(images, observe=self._observe_call)
+                results = worker.run(images, observe=self._observe_call, call=call, deadline=deadline)
                 version = worker.model.version
                 return [replace(r, version=version) if isinstance(r, ModelOutputs) else r for r in results]
             except WorkerLost as exc:

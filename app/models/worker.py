@@ -100,12 +100,13 @@ class ModelWorker:
                 header, _, _ = lane.receive()
             except ChannelClosed:
                 return
-            started = time.perf_counter()
+            received = time.monotonic()  # the clock the HTTP process's marks use too (app/timeline.py)
             self._calls.out_of_memory = 0
             errors, outputs = self._run_call(buffer, header["shape"])
+            answered = time.monotonic()
             try:
-                lane.send({"errors": errors, "seconds": time.perf_counter() - started,
-                           "out_of_memory": self._calls.out_of_memory}, outputs)
+                lane.send({"errors": errors, "seconds": answered - received, "received": received,
+                           "answered": answered, "out_of_memory": self._calls.out_of_memory}, outputs)
             except ChannelClosed:
                 return
 

@@ -29,10 +29,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..errors import DetectError, InferenceFailed, ModelError, OutOfMemory, WorkerLost
+from ..errors import DeadlineExceeded, DetectError, InferenceFailed, ModelError, OutOfMemory, WorkerLost
 from ..inference.detections import ModelOutputs, unstack_outputs
 from ..supervision import BOOT_ERROR, ExitHistory, RestartRule, describe_exit, kill_process
-from .channel import Channel, ChannelClosed, SharedBuffer
+from ..timeline import CallTimes
+from .channel import Channel, ChannelClosed, NothingYet, SharedBuffer
 from .repository import ModelVersion
 
 log = logging.getLogger(__name__)
@@ -182,27 +183,34 @@ class WorkerProcess:
 
     # Model calls -----------------------------------------------------------------------------------
 
-    def run(self, images: Sequence[np.ndarray],
-            observe: Optional[Callable[[int, float, int], None]] = None) -> list["ModelOutputs | DetectError"]:
+    def run(self, images: Sequence[np.ndarray], observe: Optional[Callable[[int, float, int], None]] = None,
+            call: Optional[CallTimes] = None, deadline: Optional[float] = None) -> list["ModelOutputs | DetectError"]:
         """Run one model call on same-shaped images; return one result or error per image.
 
-        Called from the model's inference threads. The batch is stacked straight into the lane's shared
-        buffer. `observe(images, seconds, out_of_memory)` gets the worker's own timing of the call. Raise
-        WorkerLost if the worker is gone or goes away during the call.
+        Called from a request's thread or the model's batching threads. The batch is stacked straight into
+        the lane's shared buffer. `observe(images, seconds, out_of_memory)` gets the worker's own timing of
+        the call, and `call` the marks of its stages. Raise WorkerLost if the worker is gone or goes away
+        during the call, DeadlineExceeded when `deadline` (time.monotonic()) passes first: a worker that is
+        stopped or stuck holds its lanes, never the caller.
         """
+        call = call or CallTimes()
+        call.dispatched = time.monotonic()
         with self._lock:
             if not self.alive:
                 raise WorkerLost(f"{self.describe()} is not taking calls")
             self._calls += 1
         try:
-            lane = self._take_lane()
+            lane = self._take_lane(deadline)
             try:
                 shape = _fill(lane.buffer, images)
             except BaseException:  # nothing was sent: the lane is as it was
                 self._give_back(lane, broken=False)
                 raise
             try:
-                header, arrays = self._exchange(lane, shape)
+                header, arrays = self._exchange(lane, shape, deadline)
+            except DeadlineExceeded:
+                self._answer_later(lane)
+                raise
             except BaseException:
                 self._give_back(lane, broken=True)
                 raise
@@ -214,18 +222,29 @@ class WorkerProcess:
         if observe is not None:
             observe(len(images), header.get("seconds", 0.0), header.get("out_of_memory", 0))
         good = iter(unstack_outputs(arrays))
-        return [next(good) if error is None else _ERRORS.get(error["code"], InferenceFailed)(error["message"])
-                for error in header["errors"]]
+        results = [next(good) if error is None else _ERRORS.get(error["code"], InferenceFailed)(error["message"])
+                   for error in header["errors"]]
+        call.received, call.answered = header.get("received", 0.0), header.get("answered", 0.0)
+        call.read = time.monotonic()
+        return results
 
-    def _exchange(self, lane: _Lane, shape: tuple) -> tuple[dict, dict]:
-        """Ask the worker to run the batch in the lane's buffer and read its answer.
+    def _exchange(self, lane: _Lane, shape: tuple, deadline: Optional[float] = None,
+                  sent: bool = False) -> tuple[dict, dict]:
+        """Ask the worker to run the batch in the lane's buffer (unless `sent`) and read its answer.
 
         A lane that broke or fell out of step leaves the worker unusable: end it, so that a successor
-        takes over, and raise WorkerLost.
+        takes over, and raise WorkerLost. Raise DeadlineExceeded, the lane still in step, if no answer has
+        begun to arrive by `deadline`.
         """
         try:
-            lane.channel.send({"op": "run", "shape": list(shape)})
-            header, arrays, _ = lane.channel.receive()
+            if not sent:
+                lane.channel.send({"op": "run", "shape": list(shape)})
+            try:
+                header, arrays, _ = lane.channel.receive(
+                    None if deadline is None else deadline - time.monotonic())
+            except NothingYet:
+                raise DeadlineExceeded(f"{self.describe()} had not answered the model call when the request's "
+                                       "deadline passed") from None
             return header, arrays
         except ChannelClosed as exc:
             self.kill(expected=False)
@@ -234,14 +253,34 @@ class WorkerProcess:
             self.kill(expected=False)
             raise WorkerLost(f"{self.describe()} sent an unreadable answer ({exc}); it was ended") from None
 
-    def _take_lane(self) -> _Lane:
-        """Take a free lane, waiting for one; raise WorkerLost once the worker has exited."""
+    def _take_lane(self, deadline: Optional[float] = None) -> _Lane:
+        """Take a free lane, waiting for one; raise WorkerLost once the worker has exited, DeadlineExceeded
+        when `deadline` passes first."""
         with self._lock:
             while not self._free_lanes:
                 if self._lanes_closed or self.exit_code is not None:
                     raise WorkerLost(f"{self.describe()} went away before the call had a lane")
-                self._lock.wait()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(f"every lane of {self.describe()} was busy until the request's deadline")
+                self._lock.wait(remaining)
             return self._free_lanes.pop()
+
+    def _answer_later(self, lane: _Lane) -> None:
+        """A call whose deadline passed still owes its answer: a thread of its own waits for it and frees the lane.
+
+        Its caller has moved on. The answer is dropped; the lane is given back in step, or closed with the
+        worker ended if the answer never comes whole. At most one such thread per lane.
+        """
+        def wait_for_answer() -> None:
+            try:
+                self._exchange(lane, (), sent=True)
+            except BaseException:
+                self._give_back(lane, broken=True)
+                return
+            self._give_back(lane, broken=False)
+
+        threading.Thread(target=wait_for_answer, name=f"late-answer-{self.pid}", daemon=True).start()
 
     def _give_back(self, lane: _Lane, broken: bool) -> None:
         """Return a lane after a call (its holder); close it instead if it broke or the worker has exited.
