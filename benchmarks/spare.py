@@ -4,7 +4,7 @@ For each model and each `spare_workers` count, start this service on a repositor
 model, not preloaded (`preload = false`, `idle_unload_s = 0`), and, each from /proc over the whole
 process tree (benchmarks/peers/proctree.py, RSS and PSS):
 
-- at rest before any load: the HTTP process and its spares;
+- at rest before any load: the HTTP process and its spares (resident pages counted once, and RSS summed);
 - the cold load: from POST /v2/repository/models/<name>/load to the first answer of POST /models/<name>/detect;
 - loaded, after 20 requests and once the spares are back: the tree's memory;
 - the crash: from `kill -9` of the model's worker to its first answer again (`restart_backoff_s = 0`, so the
@@ -95,12 +95,12 @@ def measure(service_root: Path, model: Path, spares: int, jpeg: bytes, work: Pat
         process = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=service_root, env=env, stdout=handle,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     row = {"model": name, "spare_workers": spares, "load_average_start": load_average()}
-    seen: set[int] = set()
+    seen: dict[int, int] = {}  # every process of its tree (pid: start time)
     try:
         until(lambda: process.poll() is None and healthy(port), "the HTTP process")
         until(lambda: spares_ready(port, spares), "the spare workers")
         time.sleep(1.0)
-        row["at_rest"] = proctree.sample(process.pid)
+        row["at_rest"] = proctree.sample(process.pid, unique=True)
         started = time.monotonic()
         post(port, f"/v2/repository/models/{name}/load", b"{}", "application/json", timeout_s=TIMEOUT_S)
         until(lambda: answers(port, name, jpeg), "the first answer")
@@ -109,8 +109,8 @@ def measure(service_root: Path, model: Path, spares: int, jpeg: bytes, work: Pat
             answers(port, name, jpeg)
         until(lambda: spares_ready(port, spares), "the spare workers after the load")
         time.sleep(1.0)
-        row["loaded"] = proctree.sample(process.pid)
-        seen |= set(proctree.tree(process.pid))
+        row["loaded"] = proctree.sample(process.pid, unique=True)
+        seen.update(proctree.identities(proctree.tree(process.pid)))
         worker = next(m["pid"] for m in get(port, "/models")["models"] if m["name"] == name)
         started = time.monotonic()
         os.kill(worker, signal.SIGKILL)
@@ -120,23 +120,24 @@ def measure(service_root: Path, model: Path, spares: int, jpeg: bytes, work: Pat
     except (RuntimeError, OSError, ValueError, StopIteration) as exc:
         row["error"] = f"{type(exc).__name__}: {exc} (log: {log})"
     finally:
-        seen |= set(proctree.tree(process.pid))
+        seen.update(proctree.identities(proctree.tree(process.pid)))
         row["stop"] = proctree.stop(process.pid, seen)
         process.wait()
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | spare_workers | at rest, no model: PSS (RSS) MiB, processes | loaded: PSS (RSS) MiB, "
-             "processes | cold load to first answer (s) | kill -9 to answer (s) | load average (1 min) |",
+    lines = ["| model | spare_workers | at rest, no model: MiB resident (RSS summed), processes | loaded: "
+             "MiB resident (RSS summed), processes | cold load to first answer (s) | kill -9 to answer (s) "
+             "| load average (1 min) |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         if row.get("error"):
             lines.append(f"| {row['model']} | {row['spare_workers']} | failed: {row['error']} | | | | |")
             continue
         rest, loaded = row["at_rest"], row["loaded"]
-        lines.append(f"| {row['model']} | {row['spare_workers']} | {rest['pss_mib']:.0f} ({rest['rss_mib']:.0f}), "
-                     f"{rest['processes']} | {loaded['pss_mib']:.0f} ({loaded['rss_mib']:.0f}), {loaded['processes']} "
+        lines.append(f"| {row['model']} | {row['spare_workers']} | {rest['unique_mib']} ({rest['rss_mib']:.0f}), "
+                     f"{rest['processes']} | {loaded['unique_mib']} ({loaded['rss_mib']:.0f}), {loaded['processes']} "
                      f"| {row['cold_load_s']} | {row['crash_restart_s']} | {row['load_average_start'][0]} to "
                      f"{row['load_average_end'][0]} |")
     return "\n".join(lines) + "\n"

@@ -40,15 +40,17 @@ def test_smoke_writes_the_table_and_leaves_no_process_behind(tmp_path):
         assert step["statuses"] == {str(200): step["requests"]} and step["errors"] == 0
         assert step["images_per_s"] > 0 and 0 < step["p50_ms"] <= step["p99_ms"]
         assert 0 < step["pss_mib_peak"] <= step["rss_mib_peak"] and step["processes"] >= 2  # HTTP + worker
+        assert step["unique_mib_peak"] is None or 0 < step["unique_mib_peak"] <= step["rss_mib_peak"] * 1.1
         assert step["load_average"]["before"] and step["load_average"]["after"]
     assert service["check"].startswith("ok") and service["stop"]["left"] == []
     assert [p["system"] for p in peers] == ["ray", "kserve", "mlserver"]
     assert all("no virtual environment" in p["skipped"] for p in peers)
     assert result["ceiling"]["images_per_s"] > 0 and result["ceiling"]["single_image_ms_p50"] > 0
+    assert service["at_rest"]["rss_mib"] > 0
     assert [g["goal"] for g in result["goals"]][:2] == ["p50 at 1 connection <= in-process single image + 1 ms",
                                                          "img/s at 64 >= 1.0 x in-process ceiling"]
     table = (out / "results.md").read_text()
-    assert "| system | img/s at 64 | p50 / p99 at 1 (ms) | p50 / p99 at 64 (ms) | memory, PSS (RSS) MiB |" in table
+    assert "| system | img/s at 64 | p50 / p99 at 1 (ms) | p50 / p99 at 64 (ms) | memory at rest, MiB" in table
     assert "| KServe Python server | skipped: no virtual environment" in table
     assert (out / "results.png").read_bytes().startswith(b"\x89PNG")
     assert proctree.tree(service["pid"]) == []
@@ -90,23 +92,27 @@ def test_sampler_sums_rss_and_pss_over_the_leader_and_a_child_in_its_own_group()
     try:
         pids = proctree.tree(leader.pid)
         assert len(pids) == 2 and leader.pid in pids
-        figures = proctree.sample(leader.pid)
+        figures = proctree.sample(leader.pid, unique=True)
         assert figures["processes"] == 2
         assert figures["rss_mib"] >= 64 and 64 <= figures["pss_mib"] <= figures["rss_mib"]
+        if figures["unique_mib"] is not None:  # None unless root: frame numbers are hidden from others
+            assert 64 <= figures["unique_mib"] <= figures["rss_mib"] + 1
         sampled = proctree.Tree(leader.pid)
         samples = [sampled.stats() for _ in range(3)]
-        assert sampled.seen == set(pids) and proctree.peak(samples)["rss_mib"] >= 64
+        assert set(sampled.seen) == set(pids) and proctree.peak(samples)["rss_mib"] >= 64
     finally:
-        stopped = proctree.stop(leader.pid, set(pids), timeout_s=10)
+        stopped = proctree.stop(leader.pid, proctree.identities(pids), timeout_s=10)
         leader.wait()
+        leader.stdout.close()
     assert stopped == {"exit": "terminated", "killed": [], "left": []}
 
 
 def test_stop_kills_what_ignores_sigterm_and_leaves_nothing():
     leader = start_tree("IGNORE")
     pids = proctree.tree(leader.pid)
-    stopped = proctree.stop(leader.pid, set(pids), timeout_s=1)
+    stopped = proctree.stop(leader.pid, proctree.identities(pids), timeout_s=1)
     leader.wait()
+    leader.stdout.close()
     assert stopped["exit"] == "killed" and stopped["left"] == []
     assert set(pids) - {leader.pid} <= set(stopped["killed"])
     assert proctree.tree(leader.pid) == []

@@ -3,7 +3,7 @@
 For each system in turn: start it (a session of its own), wait until it answers, check its boxes against
 this service's on the same JPEG, warm it up, drive it with scripts/loadgen.py at 1 and at 64 connections
 for --duration seconds each, sampling the resident memory of its whole process tree from /proc (RSS and
-PSS, benchmarks/peers/proctree.py), then stop it (SIGTERM, SIGKILL of what is left after 30 s) and check
+and PSS, and its resident pages counted once, benchmarks/peers/proctree.py), then stop it (SIGTERM, SIGKILL of what is left after 30 s) and check
 that no process of it is left. Before the systems, the in-process single-image latency and ceiling
 (scripts/bench.py's measure_ceiling: decode plus the model, no HTTP) are measured in the same run, so the
 issue's goals can be checked from one run. Writes results.json, results.md and results.png to --out.
@@ -38,6 +38,9 @@ import systems  # noqa: E402
 from bench import StatsSampler, load_average, make_images, run_ceiling  # noqa: E402
 
 CONNECTIONS = (1, 64)
+# Photos of COCO objects (a person, a cat, a cup, a motorcycle, a rocket) from scikit-image's data, cut to 4:3:
+# the generated scenes hold only circles, squares, triangles and stars, which a COCO detector finds nothing in.
+PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "motorcycle_left.png", "rocket.jpg")
 DEFAULT_SYSTEMS = ("service", "service-no-spare", "ray", "kserve", "mlserver")
 READY_TIMEOUT_S = 300.0
 
@@ -52,7 +55,7 @@ def measure(system: systems.System, args, images: Path, work: Path, reference: l
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     row = {"system": system.name, "title": system.title, "settings": system.settings, "log": str(log),
            "pid": process.pid}
-    seen: set[int] = set()
+    seen: dict[int, int] = {}  # every process of its tree (pid: start time)
     try:
         jpeg = sorted(images.glob("*.jpg"))[0].read_bytes()
         detections = wait_ready(how, process, system, jpeg)
@@ -62,22 +65,23 @@ def measure(system: systems.System, args, images: Path, work: Path, reference: l
             reference.extend(detections)
         progress(f"{system.name}: ready in {row['ready_s']} s, {len(detections)} detections; check: {row['check']}")
         step(how, images, work, 4, args.warmup, "warm-up", process.pid)
-        row["at_rest"] = {**proctree.sample(process.pid), "load_average": load_average()}
+        row["at_rest"] = {**proctree.sample(process.pid, unique=True), "load_average": load_average()}
         row["steps"] = []
         for connections in CONNECTIONS:
             figures = step(how, images, work, connections, args.duration, f"{system.name} c={connections}",
                            process.pid)
-            seen |= figures.pop("seen")
+            seen.update(figures.pop("seen"))
             row["steps"].append(figures)
             progress(f"{system.name}: {connections:3d} connections: {figures['images_per_s']:7.1f} img/s, p50 "
-                     f"{figures['p50_ms']} ms, p99 {figures['p99_ms']} ms, PSS {figures['pss_mib_peak']:.0f} MiB "
-                     f"(RSS {figures['rss_mib_peak']:.0f}) in {figures['processes']} processes, errors "
+                     f"{figures['p50_ms']} ms, p99 {figures['p99_ms']} ms, memory {figures['unique_mib_peak']} MiB "
+                     f"(RSS {figures['rss_mib_peak']:.0f}, PSS {figures['pss_mib_peak']:.0f}) in "
+                     f"{figures['processes']} processes, errors "
                      f"{figures['errors']}; load average {figures['load_average']['after']}")
     except (RuntimeError, OSError, ValueError, KeyError) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
         progress(f"{system.name}: FAILED: {row['error']} (log: {log})")
     finally:
-        seen |= set(proctree.tree(process.pid))
+        seen.update(proctree.identities(proctree.tree(process.pid)))
         row["stop"] = proctree.stop(process.pid, seen)
         process.wait()
         progress(f"{system.name}: stopped ({row['stop']['exit']}); left behind: {row['stop']['left'] or 'none'}")
@@ -127,9 +131,27 @@ def step(how: systems.Launch, images: Path, work: Path, connections: int, durati
     peak = proctree.peak(sampler.samples)
     return {"connections": connections, "images_per_s": result["ok_per_s"], "p50_ms": latency["p50"],
             "p99_ms": latency["p99"], "requests": result["requests"], "statuses": result["statuses"],
-            "errors": result["error_total"], "rss_mib_peak": peak["rss_mib"], "pss_mib_peak": peak["pss_mib"],
+            "errors": result["error_total"], "unique_mib_peak": peak["unique_mib"], "rss_mib_peak": peak["rss_mib"],
+            "pss_mib_peak": peak["pss_mib"],
             "processes": peak["processes"], "load_average": {"before": before, "after": load_average()},
             "seen": tree.seen}
+
+
+def photo_images(folder: Path) -> Path:
+    """Write the PHOTOS as 640x480 JPEGs (the middle 4:3 of each, resized; quality 90) to `folder`."""
+    import skimage
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in PHOTOS:
+        with Image.open(Path(skimage.data_dir) / name) as image:
+            image = image.convert("RGB")
+            width, height = image.size
+            keep = (width, round(width * 3 / 4)) if width * 3 <= height * 4 else (round(height * 4 / 3), height)
+            left, top = (width - keep[0]) // 2, (height - keep[1]) // 2
+            image.crop((left, top, left + keep[0], top + keep[1])).resize((640, 480), Image.LANCZOS).save(
+                folder / f"{Path(name).stem}.jpg", quality=90)
+    return folder
 
 
 def progress(line: str) -> None:
@@ -143,9 +165,11 @@ def at(row: dict, connections: int) -> dict:
 
 
 def memory_of(row: dict) -> dict:
-    """The row's memory figure: the peak over its load steps (PSS, RSS, processes)."""
+    """The row's peak memory over its load steps: {"unique_mib", "rss_mib", "pss_mib", "processes"}."""
     steps = row.get("steps") or []
-    return {key: max((s[key] for s in steps), default=None) for key in ("pss_mib_peak", "rss_mib_peak", "processes")}
+    return {key: max((s[f"{key}_peak"] if key != "processes" else s[key] for s in steps
+                      if s.get(f"{key}_peak", s.get(key)) is not None), default=None)
+            for key in ("unique_mib", "rss_mib", "pss_mib", "processes")}
 
 
 def goals(result: dict) -> list[dict]:
@@ -177,10 +201,13 @@ def goals(result: dict) -> list[dict]:
             goal("img/s at 64 >= 1.5 x the best peer's", f"{rate} against 1.5 x {theirs} ({best_peer['system']})",
                  rate >= 1.5 * theirs)
     if lean and kserve:
-        ours, theirs = memory_of(lean), memory_of(kserve)
-        for key, name in (("pss_mib_peak", "PSS"), ("rss_mib_peak", "RSS")):
-            goal(f"memory, spare_workers = 0, <= 1.2 x KServe's ({name})",
-                 f"{ours[key]:.0f} MiB against 1.2 x {theirs[key]:.0f} MiB", ours[key] <= 1.2 * theirs[key])
+        for when, figures in (("at rest", lambda r: r["at_rest"]), ("peak under load", memory_of)):
+            ours, theirs = figures(lean), figures(kserve)
+            for key, name in (("unique_mib", "resident pages counted once"), ("rss_mib", "RSS summed")):
+                if ours.get(key) is None or theirs.get(key) is None:
+                    continue
+                goal(f"memory {when}, spare_workers = 0, <= 1.2 x KServe's ({name})",
+                     f"{ours[key]:.0f} MiB against 1.2 x {theirs[key]:.0f} MiB", ours[key] <= 1.2 * theirs[key])
     return out
 
 
@@ -195,26 +222,30 @@ def table(result: dict) -> str:
         f"ceiling {ceiling['images_per_s']} img/s (batch {ceiling['best_batch']}, {ceiling['best_threads']} "
         f"thread(s)); load average {ceiling['load_average']}.",
         "",
-        "| system | img/s at 64 | p50 / p99 at 1 (ms) | p50 / p99 at 64 (ms) | memory, PSS (RSS) MiB | processes "
-        "| load average (1 min) at 1 / 64 |",
-        "|---|---|---|---|---|---|---|",
+        "| system | img/s at 64 | p50 / p99 at 1 (ms) | p50 / p99 at 64 (ms) | memory at rest, MiB: resident "
+        "(RSS summed, PSS summed) | memory, peak under load | processes | load average (1 min) at 1 / 64 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["systems"]:
         if row.get("skipped"):
-            lines.append(f"| {row['title']} | skipped: {row['skipped']} | | | | | |")
+            lines.append(f"| {row['title']} | skipped: {row['skipped']} | | | | | | |")
             continue
         if row.get("error"):
-            lines.append(f"| {row['title']} | failed: {row['error']} | | | | | |")
+            lines.append(f"| {row['title']} | failed: {row['error']} | | | | | | |")
             continue
-        one, many, memory = at(row, 1), at(row, 64), memory_of(row)
+        one, many, memory, rest = at(row, 1), at(row, 64), memory_of(row), row["at_rest"]
         errors = sum(s["errors"] for s in row["steps"])
         lines.append(
             f"| {row['title']} | {many.get('images_per_s')}{f' ({errors} errors)' if errors else ''} "
             f"| {one.get('p50_ms')} / {one.get('p99_ms')} | {many.get('p50_ms')} / {many.get('p99_ms')} "
-            f"| {memory['pss_mib_peak']:.0f} ({memory['rss_mib_peak']:.0f}) | {memory['processes']} "
+            f"| {_mib(rest.get('unique_mib'))} ({rest['rss_mib']:.0f}, {rest['pss_mib']:.0f}) "
+            f"| {_mib(memory['unique_mib'])} ({memory['rss_mib']:.0f}, {memory['pss_mib']:.0f}) "
+            f"| {memory['processes']} "
             f"| {one['load_average']['after'][0]} / {many['load_average']['after'][0]} |")
-    lines += ["", "Memory: the peak over the two load steps of the whole process tree's PSS (its RSS summed, which "
-              "counts shared pages once per process, in brackets), from /proc.", ""]
+    lines += ["", "Memory of the whole process tree, from `/proc`, at rest after the warm-up and the peak over the "
+              "two load steps: its resident pages counted once (page frames from `/proc/<pid>/pagemap`), then "
+              "VmRSS summed (a page shared by n processes counted n times) and Pss summed (a shared page divided "
+              "among every process on the machine that maps it, in the tree or not).", ""]
     for item in result["goals"]:
         verdict = {True: "met", False: "**not met**", None: "not measured"}[item["met"]]
         lines.append(f"- {item['goal']}: {verdict} ({item['measured']})")
@@ -242,10 +273,11 @@ def plot(result: dict, path: Path) -> None:
     middle.set_title("p50 latency at 1 connection")
     middle.set_ylabel("ms")
     xs = range(len(rows))
-    right.bar([x - 0.2 for x in xs], [memory_of(r)["pss_mib_peak"] or 0 for r in rows], 0.4, label="PSS")
-    right.bar([x + 0.2 for x in xs], [memory_of(r)["rss_mib_peak"] or 0 for r in rows], 0.4, label="RSS summed")
+    right.bar([x - 0.3 for x in xs], [r["at_rest"].get("unique_mib") or 0 for r in rows], 0.3, label="at rest")
+    right.bar(list(xs), [memory_of(r)["unique_mib"] or 0 for r in rows], 0.3, label="peak under load")
+    right.bar([x + 0.3 for x in xs], [memory_of(r)["rss_mib"] or 0 for r in rows], 0.3, label="RSS summed, peak")
     right.set_xticks(list(xs), names)
-    right.set_title("Memory of the whole process tree (peak under load)")
+    right.set_title("Resident memory of the whole process tree")
     right.set_ylabel("MiB")
     for ax in (left, middle, right):
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
@@ -266,12 +298,17 @@ def parse_args(argv):
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "shapes", help="model base path")
     parser.add_argument("--systems", default=None,
                         help=f"comma-separated, of {', '.join(systems.SYSTEMS)} (default all; --smoke: service)")
+    parser.add_argument("--images", choices=("auto", "scenes", "photos"), default="auto",
+                        help="16 generated scenes of shapes, or 5 photos of COCO objects (auto: scenes for the "
+                             "shapes model, else photos)")
     parser.add_argument("--duration", type=float, default=None, help="seconds per load step (15; --smoke: 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "peers")
     parser.add_argument("--service-root", type=Path, default=ROOT,
                         help="the checkout this service runs from (default: this one)")
     parser.add_argument("--venvs", type=Path, default=HERE / ".venvs", help="where the peers' venvs are")
     parser.add_argument("--setup", action="store_true", help="make the chosen peers' venvs first (pip, minutes)")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="RESULTS",
+                        help="measure nothing: write results.md and results.png again from a results.json")
     parser.add_argument("--smoke", action="store_true", help="a quick run: 2 s steps, a 1 s ceiling, this service")
     args = parser.parse_args(argv)
     names = args.systems.split(",") if args.systems else (["service"] if args.smoke else list(DEFAULT_SYSTEMS))
@@ -283,6 +320,8 @@ def parse_args(argv):
     args.warmup = 1.0 if args.smoke else 5.0
     args.ceiling_seconds = 1.0 if args.smoke else 5.0
     args.model, args.service_root = args.model.resolve(), args.service_root.resolve()
+    if args.images == "auto":
+        args.images = "scenes" if args.model.name == "shapes" else "photos"
     args.venvs = args.venvs.resolve()
     return args
 
@@ -290,6 +329,11 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out = args.out.resolve()
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        result["goals"] = goals(result)
+        write(result, out)
+        return 0
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     command = "benchmarks/peers/run " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -300,7 +344,7 @@ def main(argv=None) -> int:
     load_start = load_average()
     progress(f"peers: model {args.model}, systems {', '.join(s.name for s in args.systems)}, {args.duration:g} s "
              f"steps, service from {args.service_root}; load average {load_start} on {os.cpu_count()} CPUs")
-    images = make_images(out / "images")
+    images = make_images(out / "images") if args.images == "scenes" else photo_images(out / "photos")
     progress("measuring the in-process single image and ceiling (decode + model, no HTTP)")
     try:
         ceiling = run_ceiling(args.model, images, work / "ceiling.json", (1, 16), args.ceiling_seconds, (1, 2))
@@ -322,24 +366,35 @@ def main(argv=None) -> int:
         rows.append(row)
     result = {
         "model": os.path.relpath(args.model, ROOT) if args.model.is_relative_to(ROOT) else str(args.model),
-        "images": "16 generated 640x480 JPEG scenes", "duration_s": args.duration, "command": command,
+        "images": ("16 generated 640x480 JPEG scenes" if args.images == "scenes" else
+                   f"{len(PHOTOS)} 640x480 JPEG photos ({', '.join(Path(p).stem for p in PHOTOS)})"),
+        "duration_s": args.duration, "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "processor": _processor(), "load_average_start": load_start,
                     "load_average_end": load_average()},
         "service_root": str(args.service_root), "ceiling": ceiling, "systems": rows,
     }
     result["goals"] = goals(result)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(table(result))
-    plot(result, out / "results.png")
-    progress(f"wrote {out / 'results.json'}, results.md and results.png")
-    print(table(result))
+    write(result, out)
     failed = [r["system"] for r in rows if r.get("error") or (r.get("check") or "ok").startswith(("no ", "differs"))
               or (r.get("stop") or {}).get("left")]
     if failed:
         progress(f"failed: {', '.join(failed)}")
         return 1
     return 0
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(table(result))
+    plot(result, out / "results.png")
+    progress(f"wrote {out / 'results.json'}, results.md and results.png")
+    print(table(result))
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def service_version(args) -> str:
