@@ -133,7 +133,7 @@ class Tree:
     def stats(self) -> dict:
         self.seen.update(identities(tree(self.leader)))
         self._calls += 1
-        return sample(self.leader, unique=self._calls % self._unique_every == 1)
+        return sample(self.leader, unique=self._calls % self._unique_every == 0)
 
 
 def peak(samples: list[dict]) -> dict:
