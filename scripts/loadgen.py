@@ -5,8 +5,9 @@ the duration or the request count is reached; the requests in flight then finish
 timeout). With `--rate`, the connections take send times from one shared schedule of slots, evenly
 spaced or, with `--arrivals poisson`, at exponential gaps (seeded) as from many independent
 clients; the offered load is the rate as long as a connection is free at each slot (a late send is
-counted, never dropped). Each image is POSTed as a raw `image/jpeg` (or png) body; with `--v2-model`, as
-a KServe v2 binary request; with `--grpc-model`, as a KServe v2 gRPC ModelInfer call (the same BYTES input
+counted, never dropped). Each image is POSTed as a raw `image/jpeg` (or png) body (to `--path`); with
+`--v2-model`, as a KServe v2 binary request; with `--v2-json-model`, as a v2 JSON request, the file base64 in
+a BYTES input (MLServer's way); with `--v1-model`, as a KServe v1 `instances` request with the file base64; with `--grpc-model`, as a KServe v2 gRPC ModelInfer call (the same BYTES input
 `image` and output `detections`), one gRPC channel (HTTP/2 connection) per connection, OK counted as 200,
 RESOURCE_EXHAUSTED and UNAVAILABLE as 503, DEADLINE_EXCEEDED as 504, anything else as 500.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import math
 import os
@@ -231,6 +233,19 @@ def v2_binary_request(image: bytes) -> tuple[bytes, int]:
     return header + element, len(header)
 
 
+def v2_json_request(image: bytes) -> bytes:
+    """Wrap one image file as a v2 JSON request: the BYTES input `image`, the file in base64, marked so
+    (`content_type: base64`, MLServer's Base64Codec)."""
+    return json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                   "parameters": {"content_type": "base64"},
+                                   "data": [base64.b64encode(image).decode("ascii")]}]}).encode()
+
+
+def v1_request(image: bytes) -> bytes:
+    """Wrap one image file as a KServe v1 predict request: one instance, the file under `image` as `{"b64"}`."""
+    return json.dumps({"instances": [{"image": {"b64": base64.b64encode(image).decode("ascii")}}]}).encode()
+
+
 def _error_kind(exc: BaseException) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return "refused"
@@ -432,7 +447,8 @@ def spawn(port: int, images: Path, out: Path, connections: int, duration_s: floa
           requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
           start_delay_s: float = 0.0, records: bool = False, label: Optional[str] = None,
           arrivals: str = "uniform", seed: int = 0, v2_model: Optional[str] = None,
-          grpc_model: Optional[str] = None) -> subprocess.Popen:
+          grpc_model: Optional[str] = None, path: Optional[str] = None, v2_json_model: Optional[str] = None,
+          v1_model: Optional[str] = None) -> subprocess.Popen:
     """Start the load generator in a process of its own, writing its JSON summary to `out`."""
     args = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--images", str(images),
             "--connections", str(connections), "--duration", f"{duration_s:g}", "--timeout", f"{timeout_s:g}",
@@ -441,6 +457,12 @@ def spawn(port: int, images: Path, out: Path, connections: int, duration_s: floa
         args += ["--v2-model", v2_model]
     if grpc_model:
         args += ["--grpc-model", grpc_model]
+    if v2_json_model:
+        args += ["--v2-json-model", v2_json_model]
+    if v1_model:
+        args += ["--v1-model", v1_model]
+    if path:
+        args += ["--path", path]
     if requests is not None:
         args += ["--requests", str(requests)]
     if rate is not None:
@@ -474,6 +496,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--path", default="/detect")
     parser.add_argument("--v2-model", metavar="NAME", default=None,
                         help="POST each image to /v2/models/NAME/infer as a binary BYTES input instead")
+    parser.add_argument("--v2-json-model", metavar="NAME", default=None,
+                        help="POST each image to /v2/models/NAME/infer as a base64 BYTES input in JSON instead")
+    parser.add_argument("--v1-model", metavar="NAME", default=None,
+                        help="POST each image to /v1/models/NAME:predict as a KServe v1 b64 instance instead")
     parser.add_argument("--grpc-model", metavar="NAME", default=None,
                         help="call KServe v2 gRPC ModelInfer on NAME instead (--port is then the gRPC port)")
     parser.add_argument("--connections", "-c", type=int, default=1)
@@ -495,6 +521,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         wrapped = [v2_binary_request(body) for body, _ in bodies]
         bodies = tuple((body, "application/octet-stream") for body, _ in wrapped)
         lengths, path = tuple(length for _, length in wrapped), f"/v2/models/{args.v2_model}/infer"
+    if args.v2_json_model:
+        bodies = tuple((v2_json_request(body), "application/json") for body, _ in bodies)
+        path = f"/v2/models/{args.v2_json_model}/infer"
+    if args.v1_model:
+        bodies = tuple((v1_request(body), "application/json") for body, _ in bodies)
+        path = f"/v1/models/{args.v1_model}:predict"
     if args.grpc_model:
         bodies = tuple((grpc_infer_request(args.grpc_model, body), "application/grpc") for body, _ in bodies)
         path = MODEL_INFER

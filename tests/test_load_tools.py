@@ -116,3 +116,57 @@ def test_loadgen_refuses_unbounded_or_empty_plans(tmp_path, args, message):
                            *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_loadgen_wraps_an_image_as_the_peers_take_it():
+    """KServe v1 (instances, b64) and v2 JSON (a base64 BYTES input, as MLServer's Base64Codec reads it)."""
+    import base64
+
+    sys.path.insert(0, str(SCRIPTS))
+    import loadgen
+
+    image = b"\xff\xd8\xff\xe0 not UTF-8 \xff\xd9"
+    v1 = json.loads(loadgen.v1_request(image))
+    assert base64.b64decode(v1["instances"][0]["image"]["b64"]) == image
+    (v2,) = json.loads(loadgen.v2_json_request(image))["inputs"]
+    assert v2["datatype"] == "BYTES" and v2["shape"] == [1] and v2["parameters"] == {"content_type": "base64"}
+    assert base64.b64decode(v2["data"][0]) == image
+
+
+@pytest.mark.parametrize("flag, path", [("--v1-model", "/v1/models/m:predict"), ("--v2-json-model", "/v2/models/m/infer"),
+                                        ("--path", "/m")])
+def test_loadgen_posts_each_request_format_to_its_route(tmp_path, flag, path):
+    """One closed-loop request against a local HTTP server that records the request line and content type."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, self.headers["Content-Type"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "one.jpg").write_bytes(b"\xff\xd8\xff")
+        value = "m" if flag != "--path" else "/m"
+        done = subprocess.run([sys.executable, str(SCRIPTS / "loadgen.py"), "--port", str(server.server_address[1]),
+                               "--images", str(tmp_path), "--requests", "1", flag, value], capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["statuses"] == {"200": 1}
+    assert seen == [(path, "image/jpeg" if flag == "--path" else "application/json")]
