@@ -608,7 +608,7 @@ def profile_step(server: ServerProcess, images: Path, out: Path, args) -> Option
 
 
 # A sample whose innermost frame is one of these is a thread waiting, not working.
-IDLE = re.compile(r"^(Condition\.wait|Event\.wait|wait|_wait_for_tstate_lock|EPollReactor\.doPoll|select|"
+IDLE = re.compile(r"^(?:\w+\.)?(Condition\.wait|Event\.wait|wait|_wait_for_tstate_lock|EPollReactor\.doPoll|select|"
                   r"poll|sleep|acquire|Future\.result|_worker|get|epoll_wait|pthread_cond_.*wait.*|"
                   r"_receive_with_fds|_readable|receive|recvmsg|_serve|"
                   r"futex.*|__futex.*|syscall|nanosleep|clock_nanosleep)\b")
@@ -625,12 +625,16 @@ def summarize_profile(path: Path, top: int = 15) -> dict:
         if not stack or not count.isdigit():
             continue
         n, frames = int(count), stack.split(";")
+        process = ""
+        while frames and frames[0].startswith("process "):  # --subprocesses: the server, then a worker
+            process = "worker " if "app.models.worker" in frames[0] else process
+            frames = frames[1:]
         total += n
         leaf = frames[-1]
         if IDLE.match(leaf):
             continue
         busy += n
-        group = re.sub(r"-\d+$", "", re.sub(r"^thread \(\w+\):?\s*", "", frames[0])) or frames[0]
+        group = process + (re.sub(r"-\d+$", "", re.sub(r"^thread \(\w+\):?\s*", "", frames[0])) or frames[0])
         by_thread[group] = by_thread.get(group, 0) + n
         name = re.sub(r" \(.*\)$", "", leaf) + " " + _file_of(leaf)
         by_leaf[name] = by_leaf.get(name, 0) + n
