@@ -26,7 +26,7 @@ DetectError
     ├── InferenceFailed      500
     ├── InternalError        500: a bug; the cause is logged, never sent
     ├── LoadFailed           400: a load by request failed (the model folder is bad)
-    ├── NotReady             503
+    ├── NotReady             503 with Retry-After: not loaded yet, or shutting down (then Connection: close)
     ├── Overloaded           503 with Retry-After: the inference queue is full
     ├── OutOfMemory          503: one image alone does not fit under the memory cap
     ├── ModelUnavailable     503 with Retry-After: the model's worker is down, given up, or unloaded by request
@@ -205,6 +205,7 @@ class NotReady(RequestError):
     """The model is not loaded and warmed yet, or the server is shutting down."""
 
     code = "not_ready"
+    retry_after_s = 1  # every 503 says when to come back: a restarted instance, or another behind the balancer
 
 
 class Overloaded(RequestError):

@@ -109,8 +109,8 @@ def test_sigterm_turns_readiness_503_finishes_requests_in_flight_then_exits_0(sl
     status, _, ready = server.request("GET", "/readyz")
     assert status == 503 and "shutting down" in ready["error"]["message"]
     assert time.monotonic() - started < 1.0
-    status, _, refused = server.request("POST", "/detect", image, {"Content-Type": "image/png"})
-    assert status == 503 and refused["error"]["code"] == "not_ready"
+    status, headers, refused = server.request("POST", "/detect", image, {"Content-Type": "image/png"})
+    assert status == 503 and refused["error"]["code"] == "not_ready" and headers["Retry-After"] == "1"
     for thread in senders:
         thread.join(60)
     status = server.process.wait(30)

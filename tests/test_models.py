@@ -330,3 +330,99 @@ def test_a_spare_has_imported_tensorflow_and_a_policy_applied_afterwards_still_t
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-1] == "2"
+
+
+def test_a_crashed_worker_keeps_its_budget_for_its_restart_so_the_call_it_had_is_answered(
+        tmp_path, slow_blob_model_dir, blob_model_dir):
+    # The budget holds one worker. While `busy` restarts after a kill -9, a request for `other` must not take the
+    # budget its successor needs: the call that was running on the killed worker runs again and is answered.
+    root = _repository(tmp_path / "repo", slow_blob_model_dir, "busy")
+    _repository(root, blob_model_dir / "2", "other")
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(root), "DETECT_DEFAULT_MODEL": "busy",
+                           "DETECT_GPU_TOTAL_MIB": "2000", "DETECT_GPU_MEMORY": "1GiB",
+                           "DETECT_GPU_OVERHEAD_MIB": "300", "DETECT_RESTART_BACKOFF_S": "1"}, tmp_path / "log")
+    try:
+        answers = []
+        busy = threading.Thread(target=lambda: answers.append(server.request("POST", "/detect", RED, PNG)))
+        busy.start()
+        wait_for(lambda: _models(server)["busy"]["in_flight"] == 1, 30, "a request in flight")
+        time.sleep(0.3)  # the call is on the worker
+        os.kill(_models(server)["busy"]["pid"], signal.SIGKILL)
+        wait_for(lambda: _models(server)["busy"]["pid"] is None, 10, "the kill seen")
+        status, headers, body = server.request("POST", "/models/other/detect", RED, PNG)
+        assert status == 503 and headers["Retry-After"] == "1", body
+        assert body["error"]["code"] == "insufficient_gpu_memory" and "held by busy/1" in body["error"]["message"]
+        busy.join(60)
+        (status, _, answer), = answers
+        assert status == 200 and [d["class_id"] for d in answer["detections"]] == [1], answer
+        assert _models(server)["busy"]["state"] == "ready" and _models(server)["busy"]["pid"] is not None
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_corrupt_version_does_not_take_the_model_down_once_it_is_unloaded(tmp_path, blob_model_dir):
+    # Version 2 is corrupt. Whether it lands while version 1 serves (the swap fails, 1 keeps serving) or while
+    # the model is unloaded (its next load tries 2 first), requests are served by version 1 all along.
+    root = _repository(tmp_path / "repo", blob_model_dir / "2", "alpha")
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(root), "DETECT_DEFAULT_MODEL": "alpha",
+                           "DETECT_MODEL_POLL_S": "0.2", "DETECT_IDLE_UNLOAD_S": "1"}, tmp_path / "log")
+    try:
+        def corrupt(number: str) -> None:
+            staging = root / f".staging-{number}"
+            staging.mkdir()
+            (staging / "saved_model.pb").write_bytes(b"not a SavedModel" * 10)
+            staging.rename(root / "alpha" / number)
+
+        assert server.request("POST", "/detect", RED, PNG)[0] == 200
+        corrupt("2")  # while version 1 is loaded (or just idled out: either way it must not serve)
+        wait_for(lambda: _models(server)["alpha"]["state"] == "unloaded" and "version 2" in server.log(), 30,
+                 "the idle unload after the corrupt version was seen", server.log_path)
+        status, _, answer = server.request("POST", "/detect", RED, PNG)
+        assert status == 200 and answer["model"]["version"] == "1", answer
+        wait_for(lambda: _models(server)["alpha"]["state"] == "unloaded", 30, "the next idle unload")
+        corrupt("3")  # lands while unloaded: the next request tries 3, then falls back to 1
+        status, _, answer = server.request("POST", "/detect", RED, PNG)
+        assert status == 200 and answer["model"]["version"] == "1", answer
+        versions = {v["version"]: v for v in _models(server)["alpha"]["versions"]}
+        assert versions["3"]["state"] == "failed" and versions["1"]["state"] == "ready", versions
+    finally:
+        assert server.stop() == 0
+
+
+def test_an_unload_by_request_under_traffic_drains_what_it_admitted_and_refuses_the_rest_at_once(
+        tmp_path, repository):
+    # Requests that arrive while the unload drains are refused at once (503, Retry-After) instead of waiting
+    # for a model that is going away and holding the drain open until shutdown_grace_s.
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(repository), "DETECT_DEFAULT_MODEL": "alpha",
+                           "DETECT_SHUTDOWN_GRACE_S": "20"}, tmp_path / "log")
+    stop = threading.Event()
+    answers: list[tuple[float, int, str, str]] = []
+
+    def traffic():
+        while not stop.is_set():
+            status, headers, body = server.request("POST", "/detect", RED, PNG)
+            code = body["error"]["code"] if status != 200 else ""
+            answers.append((time.monotonic(), status, code, headers.get("Retry-After", "")))
+
+    threads = [threading.Thread(target=traffic) for _ in range(12)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(answers) > 50, 60, "answers before the unload")
+        started = time.monotonic()
+        status, _, _ = server.request("POST", "/v2/repository/models/alpha/unload")
+        unloaded = time.monotonic()
+        assert status == 200 and unloaded - started < 5.0, unloaded - started
+        assert _models(server)["alpha"]["state"] == "unloaded"
+        wait_for(lambda: any(t > unloaded and s == 503 for t, s, _, _ in answers), 10, "refusals after it")
+        assert server.request("POST", "/v2/repository/models/alpha/load")[0] == 200
+        loaded = time.monotonic()
+        wait_for(lambda: any(t > loaded and s == 200 for t, s, _, _ in answers), 30, "answers after the load")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        assert server.stop() == 0
+    refused = {(code, retry) for _, status, code, retry in answers if status != 200}
+    assert {status for _, status, _, _ in answers} == {200, 503}
+    assert refused == {("model_unavailable", "1")}, refused

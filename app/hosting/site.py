@@ -207,7 +207,7 @@ class DetectRequest(server.Request):
         for name, value in answer.headers:
             if name != "Content-Length":  # Twisted sets it from what is written
                 self.setHeader(name.encode(), value.encode())
-        if getattr(error, "retry_after_s", None) is None:  # shutting down: this connection has no future here
+        if isinstance(error, NotReady):  # shutting down: this connection has no future here
             self.setHeader(b"connection", b"close")
         self.write(answer.body)
         self.finish()

@@ -84,6 +84,9 @@ class ServedModel:
         self.history = ExitHistory(registry.restart_rule)
         self.unloaded_by_request = False
         self.restart_at: Optional[float] = None
+        # The budget reservation of a worker that crashed, kept for its restart so that no other model's load
+        # takes the place it is owed (the calls it had run again on the successor).
+        self.kept_reservation: Optional[object] = None
         self.in_flight = 0  # requests admitted for this model and not yet answered
         self.last_used = time.monotonic()
         self.last_used_unix: Optional[float] = None
@@ -128,15 +131,20 @@ class ServedModel:
     def admit(self) -> None:
         """Count a request in: it holds the model loaded (no idle unload, no eviction) until `release`.
 
-        A model that is unloaded (idle, or never loaded) starts loading now, while the request decodes.
+        A model that is unloaded (idle, or never loaded) starts loading now, while the request decodes. One
+        unloaded by request, or being unloaded, refuses it at once (ModelUnavailable), so that the unload drains
+        only the requests admitted before it.
         """
         with self.registry.lock:
+            if self.unloaded_by_request:
+                raise ModelUnavailable(f"model {self.name} was unloaded by request; load it with POST "
+                                       f"/v2/repository/models/{self.name}/load")
             self.in_flight += 1
             self.last_used = time.monotonic()
             if self.state == "unloaded" and not self.unloaded_by_request and not self.registry.closing:
-                latest = self.source.latest()
-                if latest is not None:
-                    self._begin_load(latest, "request")
+                version = self.version_to_load()
+                if version is not None:
+                    self._begin_load(version, "request")
 
     def release(self) -> None:
         with self.registry.lock:
@@ -171,7 +179,7 @@ class ServedModel:
                 return worker
             if self.state == "failed":
                 raise ModelUnavailable(f"model {self.name} is failed: {self.reason}")
-            if self.state == "unloaded":
+            if self.state == "unloaded" or (for_request and self.unloaded_by_request):
                 if self.unloaded_by_request:
                     raise ModelUnavailable(
                         f"model {self.name} was unloaded by request; load it with POST "
@@ -180,7 +188,7 @@ class ServedModel:
                     raise attempt.error
                 if self.registry.closing:
                     raise ModelUnavailable("the server is shutting down")
-                attempt = self._begin_load(self.source.latest(), "request")
+                attempt = self._begin_load(self.version_to_load(), "request")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self.unavailable_error()
@@ -309,27 +317,35 @@ class ServedModel:
                 log.warning("model %s: %s", self.name, self.reason)
                 return
         self.failed_versions[version.version] = (fingerprint(version.path), exc.message)
+        fallback = self.version_to_load()
+        if fallback is not None and fallback.version != version.version and not self.registry.closing:
+            # A corrupt newer version found while the model was unloaded: serve the newest good one.
+            log.error("model %s: version %s failed to load: %s; loading version %s instead", self.name,
+                      version.version, exc.message, fallback.version)
+            self._begin_load(fallback, attempt.reason)
+            return
         self.state, self.reason = "failed", f"version {version.version}: {exc.message}"
         log.error("model %s is failed: %s", self.name, self.reason)
 
-    def worker_exited(self, worker: WorkerProcess, code: int) -> None:
-        """Handle the exit of the worker that served this model (under the lock)."""
+    def worker_exited(self, worker: WorkerProcess, code: int) -> bool:
+        """Handle the exit of the worker that served this model (under the lock); return whether it restarts."""
         if self.worker is not worker:
-            return
+            return False
         self.worker = None
         if worker.expected_exit:
-            return
+            return False
         self.registry.observe_restart(self)
         verdict = self.history.record(time.monotonic(), boot_error=code == BOOT_ERROR)
         what = f"its worker {worker.pid} {describe_exit(code)}"
         if verdict.give_up:
             self.state, self.reason = "failed", f"{what}; given up after {verdict.reason}"
             log.error("model %s: %s; requests for it get 503 until it is loaded by request", self.name, what)
-        else:
-            self.state, self.reason = "loading", f"{what}; {verdict.reason}"
-            self.restart_at = time.monotonic() + verdict.delay_s
-            self.attempt = _Attempt(self.version, "restart")
-            log.warning("model %s: %s", self.name, self.reason)
+            return False
+        self.state, self.reason = "loading", f"{what}; {verdict.reason}"
+        self.restart_at = time.monotonic() + verdict.delay_s
+        self.attempt = _Attempt(self.version, "restart")
+        log.warning("model %s: %s", self.name, self.reason)
+        return True
 
     # Unloading -------------------------------------------------------------------------------------
 
@@ -375,6 +391,19 @@ class ServedModel:
         return now - self.last_used
 
     # New versions ----------------------------------------------------------------------------------
+
+    def version_to_load(self) -> Optional[ModelVersion]:
+        """Return the newest version on disk that has not failed to load as it is now (under the lock).
+
+        A corrupt version that failed to take over keeps failing while its folder is unchanged: a model
+        unloaded since (idle, evicted) loads the newest good one instead. If every version failed, the latest.
+        """
+        versions = self.source.versions()
+        for version in reversed(versions):
+            failed = self.failed_versions.get(version.version)
+            if failed is None or failed[0] != fingerprint(version.path):
+                return version
+        return versions[-1] if versions else None
 
     def new_version(self) -> Optional[ModelVersion]:
         """Return a newer version to serve, once its folder has stopped changing (under the lock)."""
@@ -635,7 +664,7 @@ class ModelRegistry:
                 model.state, model.restart_at = "unloaded", None
                 model.history.clear()
             if model.state == "unloaded":
-                model._begin_load(model.source.latest(), "request")
+                model._begin_load(model.version_to_load(), "request")
             attempt = model.attempt
             while model.state != "ready" and not (attempt is not None and attempt.done) \
                     and time.monotonic() < deadline:
@@ -667,7 +696,10 @@ class ModelRegistry:
     def start_worker(self, model: ServedModel, version: ModelVersion, evict: bool) -> WorkerProcess:
         """Reserve the model's budget (evicting idle models if allowed), start a worker and load `version` in it."""
         caps = self.caps_for(model)
-        key = self._reserve(model, version, caps, evict)
+        with self.lock:  # a restart takes the place its crashed predecessor held
+            key, model.kept_reservation = model.kept_reservation, None
+        if key is None:
+            key = self._reserve(model, version, caps, evict)
         try:
             worker = self.pool.take(self.settings.load_timeout_s)
         except DetectError:
@@ -690,11 +722,19 @@ class ModelRegistry:
             self._reservations += 1
             key = (model.name, version.version, self._reservations)
         label = f"{model.name}/{version.version}"
+        give_up_at = None
         while True:
             short = self.ledger.reserve(key, label, caps)
             if short is None:
                 return key
-            victim = self._victim(model, short.gpu) if evict else None
+            victim, ripe_in_s = self._victim(model, short.gpu) if evict else (None, None)
+            if victim is None and ripe_in_s is not None:
+                # Idle models used too recently to be worth their reload: wait until one has been idle long
+                # enough (a second past the soonest's time); one that gets busy again meanwhile stays.
+                give_up_at = give_up_at or time.monotonic() + ripe_in_s + 1.0
+                if time.monotonic() < give_up_at:
+                    time.sleep(min(ripe_in_s, 0.1))
+                    continue
             if victim is None:
                 raise InsufficientGpuMemory(
                     f"loading model {model.name} needs {short.needed_mib} MiB on GPU {short.gpu} (its cap plus "
@@ -705,25 +745,37 @@ class ModelRegistry:
                      short.gpu)
             victim.unload("evicted")
 
-    def _victim(self, loading: ServedModel, gpu: int) -> Optional[ServedModel]:
-        """Pick the least recently used idle model on `gpu` to unload."""
+    def _victim(self, loading: ServedModel, gpu: int) -> tuple[Optional[ServedModel], Optional[float]]:
+        """Pick the model on `gpu` to unload: the least recently used of those idle for longer than their last
+        load took (the break-even point: unloading one used more recently than that costs more in its reload
+        than it frees). Return (victim, None), or (None, seconds until an idle one gets there), or (None, None)
+        when none is idle.
+        """
         now = time.monotonic()
         with self.lock:
             idle = [(m.idle_for(now), m) for m in self.models.values()
                     if m is not loading and gpu in self.caps_for(m)]
             candidates = [(seconds, m) for seconds, m in idle if seconds is not None]
             if not candidates:
-                return None
-            return max(candidates, key=lambda pair: pair[0])[1]
+                return None, None
+            ripe = [(seconds, m) for seconds, m in candidates if seconds >= (m.last_load_s or 0.0)]
+            if ripe:
+                return max(ripe, key=lambda pair: pair[0])[1], None
+            return None, min((m.last_load_s or 0.0) - seconds for seconds, m in candidates)
 
     def _worker_exited(self, worker: WorkerProcess, code: int) -> None:
-        """Called from a worker's reader thread once its exit is reaped: budget back, then its model."""
-        if worker.reservation is not None:
-            self.ledger.release(worker.reservation)
+        """Called from a worker's reader thread once its exit is reaped: its model, then its budget.
+
+        The budget goes back, unless the worker crashed and its model restarts: then the restart keeps it.
+        """
+        kept = False
         with self.lock:
             for model in self.models.values():
-                model.worker_exited(worker, code)
+                if model.worker_exited(worker, code) and worker.reservation is not None:
+                    model.kept_reservation, kept = worker.reservation, True
             self.lock.notify_all()
+        if worker.reservation is not None and not kept:
+            self.ledger.release(worker.reservation)
 
     def labels_of(self, version: ModelVersion) -> dict[int, str]:
         try:
@@ -797,6 +849,9 @@ class ModelRegistry:
             if self.closing:
                 return
             for model in self.models.values():
+                if model.kept_reservation is not None and model.state in ("failed", "unloaded"):
+                    self.ledger.release(model.kept_reservation)  # the restart it was kept for did not come
+                    model.kept_reservation = None
                 if model.state == "loading" and model.restart_at is not None and now >= model.restart_at:
                     model.restart_at = None
                     model.state = "unloaded"

@@ -1,0 +1,128 @@
+"""The chaos soak (scripts/chaos): a 2-minute run with a fixed seed against the shipped models, and its checker.
+
+The run is the regression guard: every protocol at once while workers are killed and stopped, versions land
+(good and corrupt), models are unloaded and loaded by request, bursts pass the queue, and the server ends with
+SIGTERM under traffic. The checker's own tests feed it made-up runs, so that each rule is seen to bite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import chaos_report  # noqa: E402
+import chaos_traffic  # noqa: E402
+
+SEED = 28
+
+
+def test_a_two_minute_chaos_run_keeps_every_promise(tmp_path):
+    out = tmp_path / "chaos"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--duration", "120", "--seed",
+                           str(SEED), "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, stdin=subprocess.DEVNULL)
+    summary = done.stdout + done.stderr[-4000:]
+    assert done.returncode == 0, summary
+    report = json.loads((out / "chaos.json").read_text())
+    assert report["passed"] and all(check["passed"] for check in report["checks"].values()), summary
+    # Every kind of request was sent and served, on both protocols, before, during and after the faults.
+    assert set(report["by_kind"]) == set(chaos_traffic.KINDS), report["by_kind"]
+    for kind, counts in report["by_kind"].items():
+        wanted = "closed" if kind == "slow-client" else ("400" if kind == "bad-input" else "200")
+        assert counts.get(wanted, 0) > 0, (kind, counts)
+    assert report["by_protocol"]["grpc"].get("200", 0) > 0 and report["by_protocol"]["http"].get("200", 0) > 0
+    assert all(report["latency"][phase]["answers"] > 0 for phase in ("warm-up", "chaos", "settle"))
+    # Faults landed, a worker was killed with requests in flight, and the server exited 0 at the end.
+    assert sum(report["faults"].values()) >= 8 and report["faults"].get("kill-worker", 0) >= 1, report["faults"]
+    assert report["in_flight_at_kills"] > 0 and report["exit_status"] == 0
+    assert report["budget_peak_mib"] <= report["budget_mib"]
+    assert (out / "chaos.png").stat().st_size > 10_000
+
+
+# The checker, fed made-up runs --------------------------------------------------------------------------
+
+PHASES = {"warm-up": 0.0, "chaos": 10.0, "settle": 20.0, "stop": 30.0, "end": 32.0}
+
+
+def _record(t: float, **fields) -> dict:
+    record = {"t": t, "rel_t": t, "kind": "detect-raw", "protocol": "http", "model": "shapes", "status": 200,
+              "outcome": "ok", "expected": [200, 503, 504], "ms": 10.0}
+    record.update(fields)
+    record["phase"] = chaos_report.phase_of(t, PHASES)
+    return record
+
+
+def test_the_checker_finds_wrong_boxes_refusals_without_retry_after_and_lost_requests():
+    records = [
+        _record(1.0),
+        _record(11.0, outcome="mismatch"),
+        _record(12.0, status=503, error="overloaded"),  # no Retry-After
+        _record(13.0, status=500, error="internal"),
+        _record(14.0, status=0, outcome="reset"),
+        _record(31.0, status=0, outcome="refused"),  # the port is closed during the stop: allowed
+        _record(15.0, kind="slow-client", case="slowloris", outcome="held-open", closed_after_s=30.0, limit_s=4.0),
+        _record(16.0, kind="bad-input", case="wrong-type", status=415, expected=[415, 503]),
+    ]
+    problems = chaos_report.check_answers(records, PHASES)
+    assert len(problems) == 5, problems
+    assert [p.split(": ", 1)[1][:12] for p in problems] == [
+        "status 200, ", "503 without ", "status 500 (", "no answer (r", "a slowloris "]
+
+
+def test_the_checker_wants_requests_in_flight_at_a_kill_answered_200():
+    faults = [{"t": 5.0, "fault": "kill-worker", "model": "objects", "pid": 1}]
+    records = [_record(4.9, model="objects", ms=500.0), _record(4.8, model="objects", ms=400.0, status=503,
+                                                                  error="model_unavailable"),
+               _record(4.8, model="shapes", ms=400.0, status=503), _record(5.5, model="objects")]
+    problems, in_flight = chaos_report.check_crashes(records, faults)
+    assert in_flight == 2 and len(problems) == 1 and "status 503" in problems[0]
+
+
+def _sample(t: float, workers: list[str], rss: float = 300.0, threads: int = 100, fds: int = 60, lanes: int = 0):
+    children = {str(1000 + i): {"role": role, "state": "S", "rss_mib": 500.0} for i, role in enumerate(workers)}
+    return {"t": t, "http": {"rss_mib": rss, "threads": threads, "fds": fds, "lanes": lanes}, "children": children,
+            "models": {"shapes": {"state": "ready"}}}
+
+
+def test_the_checker_finds_a_budget_overrun_and_each_kind_of_leak():
+    result = {"cap_mib": 1024, "overhead_mib": 300, "budget_mib": 2748, "lanes_per_worker": 2, "phases": PHASES}
+    problems, peak = chaos_report.check_budget([_sample(1, ["shapes", "spare"]),
+                                                _sample(2, ["shapes", "objects", "faces"])], result)
+    assert peak == 3 * 1324 and len(problems) == 1 and "3972 MiB" in problems[0]
+    steady = [_sample(5, ["shapes"], lanes=2), _sample(25, ["shapes"], lanes=2)]
+    assert chaos_report.check_leaks(steady, result)[0] == []
+    leaking = [_sample(5, ["shapes"], lanes=2),
+               _sample(25, ["shapes"], rss=400.0, threads=120, fds=90, lanes=4)]
+    problems, figures = chaos_report.check_leaks(leaking, result)
+    assert figures["rss_mib"] == [300.0, 400.0] and len(problems) == 4, problems
+    zombie = _sample(12, ["shapes"])
+    zombie["children"]["1000"]["state"] = "Z"
+    problems, _ = chaos_report.check_leaks([steady[0], zombie, {**zombie, "t": 13}, {**zombie, "t": 14}, steady[1]],
+                                           result)
+    assert len(problems) == 1 and "zombie" in problems[0]
+
+
+def test_answers_are_compared_with_their_reference_within_what_batching_changes():
+    reference = [(1, 10.0, 20.0, 110.0, 220.0, 0.91)]
+    assert chaos_traffic.same([(1, 10.3, 19.8, 110.5, 220.4, 0.905)], reference)
+    assert not chaos_traffic.same([(2, 10.0, 20.0, 110.0, 220.0, 0.91)], reference)  # another class
+    assert not chaos_traffic.same([(1, 40.0, 20.0, 140.0, 220.0, 0.91)], reference)  # another box
+    assert not chaos_traffic.same([], reference)
+
+
+@pytest.mark.parametrize("boxes,scores,classes,rows", [
+    ([[0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 1.0, 1.0]], [0.9, 0.2], [3.0, 1.0], [(3, 100.0, 200.0, 300.0, 400.0, 0.9)]),
+    ([[0.1, 0.2, 0.3, 0.4]], [0.4], [3.0], []),
+])
+def test_raw_tensors_keep_the_detections_a_detect_answer_would(boxes, scores, classes, rows):
+    got = chaos_traffic.tensors_of(boxes, scores, classes)
+    assert len(got) == len(rows) and all(chaos_traffic.same([g], [r]) for g, r in zip(got, rows))
