@@ -4,6 +4,7 @@ DetectError
 ├── ConfigError              a setting has a value that is not allowed (boot, exit 2)
 ├── PolicyError              the GPU memory policy cannot be applied (boot, exit 2)
 ├── ModelError               the model folder is missing, empty or does not honour the contract (boot, exit 2)
+│   └── WorkerNotStarted     no worker took the model in time, or none could start (not the model's fault)
 ├── NvmlUnavailable          NVML cannot be used: no driver, no library, or a failed call
 ├── WorkerLost               a model's worker process ended while a call was on it (retried, never sent)
 └── RequestError             something about one request; has an HTTP status
@@ -63,6 +64,11 @@ class ModelError(DetectError):
     """The model folder is missing, empty, or does not honour the detection contract."""
 
     code = "invalid_model"
+
+
+class WorkerNotStarted(ModelError):
+    """No worker took the model in time (its start, or its load, outlasted the limit), or none could start:
+    the host's trouble, not the model's, so the version is not marked as bad."""
 
 
 class NvmlUnavailable(DetectError):

@@ -253,8 +253,9 @@ class Faults:
         self.record("load", model=model, status=status, attempts=attempt,
                     **({"error": answer.get("error")} if status != 200 else {}))
 
-    def burst(self, record: bool = True) -> list[int]:
-        """BURST raw /detect requests at once; return their statuses (200 or 503 with Retry-After)."""
+    def burst(self, record: bool = True) -> list:
+        """BURST raw /detect requests at once; return their statuses (200; 503 with Retry-After; else -503, or
+        what went wrong with the connection)."""
         scene = next(iter(sorted((self.repository.parent / "images").glob("scene-*.jpg")))).read_bytes()
         statuses: list[int] = []
 
@@ -263,17 +264,16 @@ class Faults:
                 status, headers, _ = chaos_traffic.http_exchange(self.server.port, "POST", "/detect", scene,
                                                                  {"Content-Type": "image/jpeg"})
                 statuses.append(status if status != 503 or headers.get("retry-after") else -503)
-            except OSError:
-                statuses.append(0)
+            except OSError as exc:
+                statuses.append(chaos_traffic.failure(exc))
 
         threads = [threading.Thread(target=one) for _ in range(BURST)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
-        counts = {str(s): statuses.count(s) for s in sorted(set(statuses))}
-        if record:
-            self.record("burst", connections=BURST, statuses=counts)
+        counts = {str(s): statuses.count(s) for s in set(statuses)}
+        self.record("burst" if record else "warm-up burst", connections=BURST, statuses=counts)
         return statuses
 
 

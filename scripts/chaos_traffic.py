@@ -298,7 +298,7 @@ def slow_client(port: int, rng: random.Random, header_timeout_s: float, body_tim
     try:
         sock = socket.create_connection((HOST, port), timeout=limit + 10)
     except OSError as exc:
-        return {**record, "status": 0, "outcome": _failure(exc), "closed_after_s": 0.0}
+        return {**record, "status": 0, "outcome": failure(exc), "closed_after_s": 0.0}
     try:
         if drip:
             sock.sendall(b"POST /detect HTTP/1.1\r\n")
@@ -390,7 +390,7 @@ class Client:
                 if answer_headers.get("retry-after"):
                     record["retry_after"] = answer_headers["retry-after"]
             except OSError as exc:
-                record.update(status=0, outcome=_failure(exc))
+                record.update(status=0, outcome=failure(exc))
             record["ms"] = round((time.monotonic() - started) * 1000, 1)
             return record
         model = self.home
@@ -408,7 +408,7 @@ class Client:
             else:
                 answer = send_json_kind(args.port, kind, model, blobs)
         except OSError as exc:
-            record.update(status=0, outcome=_failure(exc), ms=round((time.monotonic() - started) * 1000, 1))
+            record.update(status=0, outcome=failure(exc), ms=round((time.monotonic() - started) * 1000, 1))
             return record
         except (ValueError, KeyError, TypeError) as exc:
             record.update(status=200, outcome="bad-shape", detail=repr(exc)[:200],
@@ -438,7 +438,7 @@ def _loads(body: bytes):
         return None
 
 
-def _failure(exc: OSError) -> str:
+def failure(exc: OSError) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return "refused"
     if isinstance(exc, (ConnectionResetError, BrokenPipeError)):

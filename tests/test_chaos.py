@@ -126,3 +126,29 @@ def test_answers_are_compared_with_their_reference_within_what_batching_changes(
 def test_raw_tensors_keep_the_detections_a_detect_answer_would(boxes, scores, classes, rows):
     got = chaos_traffic.tensors_of(boxes, scores, classes)
     assert len(got) == len(rows) and all(chaos_traffic.same([g], [r]) for g, r in zip(got, rows))
+
+
+def test_the_checker_wants_every_connection_of_a_burst_answered():
+    faults = [{"t": 3.0, "fault": "warm-up burst", "statuses": {"200": 150, "503": 10}},
+              {"t": 15.0, "fault": "burst", "statuses": {"200": 140, "503": 17, "reset": 2, "-503": 1}}]
+    problems = chaos_report.check_bursts(faults)
+    assert sorted(problems) == ["burst at 15.0 s: 1 connection(s) got -503", "burst at 15.0 s: 2 connection(s) got reset"]
+
+
+def test_every_503_in_every_protocol_says_when_to_come_back():
+    # Found by the 30-minute run: KServe v2 answers a passed deadline 503 (as Triton does), and it had no
+    # Retry-After, unlike every other 503.
+    import app.errors as errors
+    from app.http.errors import error_answer
+    from app.http.paths import DETECT, V1, V2
+
+    classes = [c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.RequestError) and c is not errors.RequestError]
+    seen = 0
+    for cls in classes:
+        for protocol in (DETECT, V1, V2):
+            answer = error_answer(cls("a message"), protocol)
+            if answer.status == 503:
+                seen += 1
+                assert ("Retry-After", "1") in answer.headers, (cls.__name__, protocol)
+    assert seen >= 15  # NotReady, Overloaded, OutOfMemory, ModelUnavailable, InsufficientGpuMemory; v2's deadline

@@ -65,11 +65,14 @@ def error_answer(error: RequestError, protocol: str = DETECT,
     body = _html_safe(json.dumps(error_document(error, protocol), separators=(", ", ": "))).encode()
     headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
                *SECURITY_HEADERS]
+    status = status_of(error, protocol)
     retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is None and status == 503:
+        retry_after = 1  # every 503 says when to come back (Triton's timeout is a 503 too, in KServe v2)
     if retry_after is not None:
         headers.append(("Retry-After", str(retry_after)))
     headers.extend(extra_headers)
-    return ErrorAnswer(status_of(error, protocol), tuple(headers), body)
+    return ErrorAnswer(status, tuple(headers), body)
 
 
 def _html_safe(text: str) -> str:

@@ -31,7 +31,7 @@ from typing import Optional
 
 from ..errors import (
     DeadlineExceeded, DetectError, InsufficientGpuMemory, LoadFailed, ModelError, ModelNotFound, ModelUnavailable,
-    WorkerLost,
+    WorkerLost, WorkerNotStarted,
 )
 from ..gpu.budget import Gpu, Ledger, cap_mib
 from ..inference.batcher import InferenceQueue
@@ -286,6 +286,10 @@ class ServedModel:
     def _publish(self, worker: WorkerProcess, version: ModelVersion, seconds: float) -> None:
         """Make `worker` the one that serves (under the lock)."""
         self.worker, self.version, self.state, self.reason = worker, version, "ready", None
+        self.restart_at = None  # a swap's worker that takes over from a crashed one ends its pending restart
+        if self.kept_reservation is not None:  # ... and the budget kept for that restart goes back
+            self.registry.ledger.release(self.kept_reservation)
+            self.kept_reservation = None
         self.labels = self.registry.labels_of(version)
         self.signature = worker.loaded.get("signature")
         self.signature_defs = worker.loaded.get("signature_defs")
@@ -316,12 +320,14 @@ class ServedModel:
                 self.attempt = _Attempt(version, "restart")
                 log.warning("model %s: %s", self.name, self.reason)
                 return
-        self.failed_versions[version.version] = (fingerprint(version.path), exc.message)
+        if not isinstance(exc, WorkerNotStarted):  # the model's own fault, not the host's: do not try it again
+            self.failed_versions[version.version] = (fingerprint(version.path), exc.message)
         fallback = self.version_to_load()
         if fallback is not None and fallback.version != version.version and not self.registry.closing:
             # A corrupt newer version found while the model was unloaded: serve the newest good one.
             log.error("model %s: version %s failed to load: %s; loading version %s instead", self.name,
                       version.version, exc.message, fallback.version)
+            self.reason = f"version {version.version}: {exc.message}; loading version {fallback.version}"
             self._begin_load(fallback, attempt.reason)
             return
         self.state, self.reason = "failed", f"version {version.version}: {exc.message}"
@@ -362,6 +368,9 @@ class ServedModel:
                 self.unloaded_by_request = True
                 while self.state == "loading" and time.monotonic() < deadline:
                     registry.lock.wait(0.5)  # let a load finish before unloading it
+                if self.state == "loading":  # still: leave it be, rather than ready and refusing every request
+                    self.unloaded_by_request = False
+                    return False
                 if self.state == "failed":
                     self.state = "unloaded"
             elif self.idle_for(time.monotonic()) is None:
@@ -666,8 +675,11 @@ class ModelRegistry:
             if model.state == "unloaded":
                 model._begin_load(model.version_to_load(), "request")
             attempt = model.attempt
-            while model.state != "ready" and not (attempt is not None and attempt.done) \
-                    and time.monotonic() < deadline:
+            while model.state != "ready" and time.monotonic() < deadline:
+                if attempt is not None and attempt.done:
+                    if model.attempt is attempt or model.state != "loading":
+                        break
+                    attempt = model.attempt  # a failed new version fell back to an older one: wait for that
                 self.lock.wait(0.5)
             if model.state == "ready":
                 return model
@@ -731,8 +743,8 @@ class ModelRegistry:
             if victim is None and ripe_in_s is not None:
                 # Idle models used too recently to be worth their reload: wait until one has been idle long
                 # enough (a second past the soonest's time); one that gets busy again meanwhile stays.
-                give_up_at = give_up_at or time.monotonic() + ripe_in_s + 1.0
-                if time.monotonic() < give_up_at:
+                give_up_at = give_up_at or time.monotonic() + min(ripe_in_s + 1.0, self.settings.request_deadline_s)
+                if time.monotonic() < give_up_at and not self.closing:
                     time.sleep(min(ripe_in_s, 0.1))
                     continue
             if victim is None:
@@ -772,6 +784,8 @@ class ModelRegistry:
         with self.lock:
             for model in self.models.values():
                 if model.worker_exited(worker, code) and worker.reservation is not None:
+                    if model.kept_reservation is not None:
+                        self.ledger.release(model.kept_reservation)
                     model.kept_reservation, kept = worker.reservation, True
             self.lock.notify_all()
         if worker.reservation is not None and not kept:
@@ -849,7 +863,7 @@ class ModelRegistry:
             if self.closing:
                 return
             for model in self.models.values():
-                if model.kept_reservation is not None and model.state in ("failed", "unloaded"):
+                if model.kept_reservation is not None and model.state != "loading":
                     self.ledger.release(model.kept_reservation)  # the restart it was kept for did not come
                     model.kept_reservation = None
                 if model.state == "loading" and model.restart_at is not None and now >= model.restart_at:

@@ -29,7 +29,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..errors import DeadlineExceeded, DetectError, InferenceFailed, ModelError, OutOfMemory, WorkerLost
+from ..errors import (
+    DeadlineExceeded, DetectError, InferenceFailed, ModelError, OutOfMemory, WorkerLost, WorkerNotStarted,
+)
 from ..inference.detections import ModelOutputs, unstack_outputs
 from ..supervision import BOOT_ERROR, ExitHistory, RestartRule, describe_exit, kill_process
 from ..timeline import CallTimes
@@ -162,7 +164,7 @@ class WorkerProcess:
             self.loaded = self._load.result(timeout=timeout_s)
         except FutureTimeout:
             self.kill(expected=False)
-            raise ModelError(f"model {model.name} version {model.version} did not load within {timeout_s:g} s "
+            raise WorkerNotStarted(f"model {model.name} version {model.version} did not load within {timeout_s:g} s "
                              "(load_timeout_s); its worker was killed") from None
         return self.loaded
 
@@ -412,7 +414,7 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
-                raise ModelError("the server is shutting down; no model is loaded now")
+                raise WorkerNotStarted("the server is shutting down; no model is loaded now")
             ready = [w for w in self._spares if w.spare.is_set()]
             worker = ready[0] if ready else (self._spares[0] if self._spares else None)
             if worker is not None:
@@ -421,13 +423,13 @@ class WorkerPool:
             worker = self._spawn()
         while not worker.spare.wait(0.1):
             if worker.exit_code == BOOT_ERROR:  # it cannot start here, and would not on a second try
-                raise ModelError(f"{worker.describe()} cannot start: importing TensorFlow failed; see the log above")
+                raise WorkerNotStarted(f"{worker.describe()} cannot start: importing TensorFlow failed; see the log above")
             if worker.exit_code is not None:  # a crash, retried with backoff like any other
                 raise WorkerLost(f"{worker.describe()} {describe_exit(worker.exit_code)} while starting "
                                  "(importing TensorFlow); see the log above")
             if time.monotonic() > deadline:
                 worker.kill()
-                raise ModelError(f"a worker did not start within {timeout_s:g} s")
+                raise WorkerNotStarted(f"a worker did not start within {timeout_s:g} s")
         return worker
 
     def refill(self) -> None:
