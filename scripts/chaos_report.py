@@ -170,7 +170,8 @@ def report(result: dict, request_files: list[Path]) -> dict:
         r["rel_t"] = r["t"] - result["t0_unix"]
         r["phase"] = phase_of(r["rel_t"], phases)
     checks = {}
-    checks["answers"] = check_answers(records, phases) + check_bursts(result["faults"])
+    checks["answers"] = check_answers(records, phases)
+    checks["bursts"] = check_bursts(result["faults"])
     crash_problems, in_flight_at_kills = check_crashes(records, result["faults"])
     checks["crashes"] = crash_problems
     checks["budget"], peak = check_budget(result["samples"], result)
