@@ -63,34 +63,15 @@ BURST = 160  # connections at once, past max_queue images
 
 
 def request(port: int, method: str, path: str, body: bytes = b"", timeout_s: float = 30.0) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    """One control request over chaos_traffic's exchange; the answer's JSON ({} if it has none)."""
+    status, _, data = chaos_traffic.http_exchange(port, method, path, body, timeout_s=timeout_s)
     try:
-        conn.request(method, path, body=body or None)
-        response = conn.getresponse()
-        data = response.read()
-        try:
-            return response.status, json.loads(data or b"{}")
-        except ValueError:
-            return response.status, {}
-    finally:
-        conn.close()
+        return status, json.loads(data or b"{}")
+    except ValueError:
+        return status, {}
 
 
 # The server's processes, read from /proc -----------------------------------------------------------------
-
-def children(pid: int) -> list[int]:
-    found = set()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    for task in tasks:
-        try:
-            found.update(int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
-        except OSError:
-            continue
-    return sorted(found)
-
 
 def process_state(pid: int) -> Optional[str]:
     try:
@@ -151,7 +132,7 @@ class Sampler:
         roles.update({w["pid"]: w["model"] for w in gpu.get("workers", []) if w.get("pid")})
         roles.update({s["pid"]: "spare" for s in listing.get("spares", []) if s.get("pid")})
         kids = {}
-        for child in children(pid):
+        for child in self.server.pids()[1:]:  # its children: workers and spares
             role = roles.get(child)
             if role is None:  # a spare taken for a load is a worker before /models names it; else just started
                 role = "loading" if self.roles.get(child) == "spare" else "?"
