@@ -196,6 +196,12 @@ class Settings:
         128, _int_in(1, 1024), "WSGI threads: inference requests admitted at once; beyond, 503 with Retry-After"
     )
     idle_timeout_s: float = _setting(60.0, _float_in(1.0, 3600.0), "close a connection idle this long (s)")
+    # Twisted's default of 50 overflowed under bursts of 160 connections while the reactor was busy (the
+    # chaos soak, docs/how-to/chaos.md): the kernel dropped handshakes and reset some connections after 1 s.
+    # 2048 as gunicorn and uvicorn; the kernel caps it at net.core.somaxconn.
+    listen_backlog: int = _setting(
+        2048, _int_in(1, 65535), "connections the kernel queues for the server to accept (capped by net.core.somaxconn)"
+    )
     shutdown_grace_s: float = _setting(
         20.0, _float_in(0.0, 600.0), "on SIGTERM, wait this long for requests in flight (s)"
     )

@@ -439,14 +439,15 @@ def _loads(body: bytes):
 
 
 def failure(exc: OSError) -> str:
+    """What went wrong with a connection, in a word ("closed": closed by the server without an answer)."""
     if isinstance(exc, ConnectionRefusedError):
         return "refused"
+    if isinstance(exc, http.client.RemoteDisconnected):  # before reset: it is a ConnectionResetError too
+        return "closed"
     if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
         return "reset"
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return "timeout"
-    if isinstance(exc, http.client.RemoteDisconnected):
-        return "closed"
     return type(exc).__name__
 
 

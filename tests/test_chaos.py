@@ -31,13 +31,8 @@ def test_a_two_minute_chaos_run_keeps_every_promise(tmp_path):
                            str(SEED), "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, stdin=subprocess.DEVNULL)
     summary = done.stdout + done.stderr[-4000:]
-    assert done.returncode in (0, 1), summary
+    assert done.returncode == 0, summary
     report = json.loads((out / "chaos.json").read_text())
-    # A burst of 160 connections has seen a few connections reset (4 in 4,000 over 30 minutes), cause not yet
-    # known (docs/how-to/chaos.md): scripts/chaos fails on them; here only a reset is let through, never a wrong
-    # answer.
-    bursts = report["checks"].pop("bursts")
-    assert all(problem.endswith("got reset") for problem in bursts["problems"]), summary
     assert all(check["passed"] for check in report["checks"].values()), summary
     # Every kind of request was sent and served, on both protocols, before, during and after the faults.
     assert set(report["by_kind"]) == set(chaos_traffic.KINDS), report["by_kind"]

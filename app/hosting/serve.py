@@ -273,9 +273,11 @@ def run(server: Server) -> int:
         return 2
     try:
         if tls is None:
-            port = reactor.listenTCP(settings.port, server.site, interface=settings.host)
+            port = reactor.listenTCP(settings.port, server.site, backlog=settings.listen_backlog,
+                                     interface=settings.host)
         else:
-            port = reactor.listenSSL(settings.port, server.site, tls, interface=settings.host)
+            port = reactor.listenSSL(settings.port, server.site, tls, backlog=settings.listen_backlog,
+                                     interface=settings.host)
     except CannotListenError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.socketError)
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.socketError}", file=sys.stderr)

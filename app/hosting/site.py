@@ -275,7 +275,8 @@ class DetectChannel(http.HTTPChannel):
     def _deadline_passed(self, what: str) -> None:
         setattr(self, "_header_timer" if what == "request headers" else "_body_timer", None)
         peer = self.transport.getPeer()
-        log.info("closing the connection from %s: %s did not arrive in time", getattr(peer, "host", peer), what)
+        log.info("closing the connection from %s:%s: %s did not arrive in time",
+                 getattr(peer, "host", peer), getattr(peer, "port", "-"), what)
         self.transport.abortConnection()
 
 
