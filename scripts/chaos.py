@@ -154,8 +154,10 @@ class Sampler:
 class Faults:
     """The fault injector: draws faults with the run's seed, applies them, and records each with its time."""
 
-    def __init__(self, server: bench.ServerProcess, repository: Path, seed: int, t0: float):
+    def __init__(self, server: bench.ServerProcess, repository: Path, seed: int, t0: float,
+                 weights: Optional[dict] = None):
         self.server, self.repository, self.t0 = server, repository, t0
+        self.weights = weights or FAULTS
         self.rng = random.Random(seed)
         self.events: list[dict] = []
         self._corrupt_count = 0
@@ -166,7 +168,7 @@ class Faults:
         print(f"chaos: {event['t']:7.1f} s  {fault} {json.dumps(detail)}", file=sys.stderr, flush=True)
 
     def next(self) -> None:
-        kinds, weights = zip(*FAULTS.items())
+        kinds, weights = zip(*self.weights.items())
         fault = self.rng.choices(kinds, weights)[0]
         getattr(self, fault.replace("-", "_"))()
 
@@ -307,7 +309,7 @@ def run(args) -> dict:
     stop_file = out / "clients.stop"
     stop_file.unlink(missing_ok=True)
     sampler = Sampler(server, t0).start()
-    faults = Faults(server, repository, args.seed, t0)
+    faults = Faults(server, repository, args.seed, t0, args.faults)
     clients: list = []
     phases = {}
     try:
@@ -357,6 +359,18 @@ def _sleep_until(moment: float) -> None:
     time.sleep(max(0.0, moment - time.monotonic()))
 
 
+def fault_weights(text: str) -> dict:
+    """Parse --faults: 'burst=5,kill-worker=2' -> {'burst': 5, 'kill-worker': 2}; kinds from FAULTS only."""
+    weights = {}
+    for item in text.split(","):
+        kind, _, weight = item.partition("=")
+        if kind.strip() not in FAULTS or not weight.strip().isdigit() or int(weight) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: want KIND=WEIGHT with KIND one of {', '.join(FAULTS)} "
+                                             "and WEIGHT a whole number from 1")
+        weights[kind.strip()] = int(weight)
+    return weights
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="scripts/chaos", description=__doc__.splitlines()[0])
@@ -366,6 +380,9 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=3, help="client processes")
     parser.add_argument("--threads", type=int, default=8, help="threads (connections) per client process")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "chaos", help="output folder")
+    parser.add_argument("--faults", type=fault_weights, default=dict(FAULTS), metavar="KIND=WEIGHT,...",
+                        help="the faults drawn and their weights (default: "
+                        + ",".join(f"{k}={v}" for k, v in FAULTS.items()) + ")")
     args = parser.parse_args(argv)
     args.argv = argv
     try:

@@ -7,6 +7,7 @@ SIGTERM under traffic. The checker's own tests feed it made-up runs, so that eac
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import chaos  # noqa: E402
 import chaos_report  # noqa: E402
 import chaos_traffic  # noqa: E402
 
@@ -152,3 +154,10 @@ def test_every_503_in_every_protocol_says_when_to_come_back():
                 seen += 1
                 assert ("Retry-After", "1") in answer.headers, (cls.__name__, protocol)
     assert seen >= 15  # NotReady, Overloaded, OutOfMemory, ModelUnavailable, InsufficientGpuMemory; v2's deadline
+
+
+def test_the_faults_drawn_can_be_chosen_and_a_kind_it_does_not_know_is_refused():
+    assert chaos.fault_weights("burst=5,kill-worker=2") == {"burst": 5, "kill-worker": 2}
+    for bad in ("burst", "burst=0", "burst=x", "meteor=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            chaos.fault_weights(bad)

@@ -6,8 +6,10 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conftest import gauge as _gauge, in_flight as _in_flight, start_server
 from images_for_tests import encode
@@ -146,7 +148,12 @@ def test_requests_still_running_after_the_grace_are_abandoned_and_the_process_ex
 
 def test_a_burst_of_connections_while_the_server_cannot_accept_is_queued_and_every_one_answered(blob_model_dir, tmp_path):
     """The kernel queues what the reactor has not accepted yet: with Twisted's backlog of 50 the chaos soak's
-    bursts of 160 image requests, landing while the reactor was busy, had some connections reset after a second."""
+    bursts of 160 image requests, landing while the reactor was busy, had some connections reset after a second
+    (here 33 of 300)."""
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())  # the kernel's cap on any backlog
+    if somaxconn < 128:
+        pytest.skip(f"net.core.somaxconn is {somaxconn}: a backlog over Twisted's 50 cannot be shown here")
+    burst = min(300, somaxconn - 8)
     server = start_server({"DETECT_MODEL": str(blob_model_dir)}, tmp_path / "log")
     image = encode(np.random.default_rng(26).integers(0, 255, (160, 160, 3), np.uint8), "JPEG")  # about 40 KB
     answers: list = []
@@ -157,18 +164,21 @@ def test_a_burst_of_connections_while_the_server_cannot_accept_is_queued_and_eve
         except OSError as exc:
             answers.append(repr(exc))
 
-    server.process.send_signal(signal.SIGSTOP)  # the reactor accepts nothing while the connections arrive
     try:
-        clients = [threading.Thread(target=detect) for _ in range(300)]
+        server.process.send_signal(signal.SIGSTOP)  # the reactor accepts nothing while the connections arrive
+        try:
+            clients = [threading.Thread(target=detect) for _ in range(burst)]
+            for thread in clients:
+                thread.start()
+            time.sleep(3.0)  # past the kernel's first retransmission (1 s), where the backlog's overflow showed
+        finally:
+            server.process.send_signal(signal.SIGCONT)
         for thread in clients:
-            thread.start()
-        time.sleep(3.0)  # past the kernel's first retransmission (1 s), where the backlog's overflow showed
+            thread.join(90)
+        counts = {str(a): answers.count(a) for a in set(answers)}
+        assert len(answers) == burst and set(answers) <= {200, 503} and 200 in answers, counts
     finally:
-        server.process.send_signal(signal.SIGCONT)
-    for thread in clients:
-        thread.join(90)
-    assert len(answers) == 300 and set(answers) <= {200, 503}, {str(a): answers.count(a) for a in set(answers)}
-    assert server.stop() == 0
+        assert server.stop() == 0
 
 
 def _quietly(server, body):

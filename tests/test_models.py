@@ -426,3 +426,45 @@ def test_an_unload_by_request_under_traffic_drains_what_it_admitted_and_refuses_
     refused = {(code, retry) for _, status, code, retry in answers if status != 200}
     assert {status for _, status, _, _ in answers} == {200, 503}
     assert refused == {("model_unavailable", "1")}, refused
+
+
+def test_a_load_by_request_with_a_corrupt_newest_version_answers_once_the_good_one_it_falls_back_to_is_ready(
+        tmp_path, blob_model_dir):
+    # The load tries version 2, which fails; the model falls back to version 1. The request waits for that
+    # fallback and answers 200, rather than 400 for the attempt that failed.
+    root = _repository(tmp_path / "repo", blob_model_dir / "2", "alpha")
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(root), "DETECT_DEFAULT_MODEL": "alpha"}, tmp_path / "log")
+    try:
+        assert server.request("POST", "/v2/repository/models/alpha/unload")[0] == 200
+        (root / "alpha" / "2").mkdir()
+        (root / "alpha" / "2" / "saved_model.pb").write_bytes(b"not a SavedModel" * 10)
+        status, _, body = server.request("POST", "/v2/repository/models/alpha/load")
+        assert status == 200, body
+        versions = {v["version"]: v["state"] for v in _models(server)["alpha"]["versions"]}
+        assert versions == {"1": "ready", "2": "failed"}, versions
+        status, _, answer = server.request("POST", "/detect", RED, PNG)
+        assert status == 200 and answer["model"]["version"] == "1", answer
+    finally:
+        assert server.stop() == 0
+
+
+def test_an_unload_by_request_that_outlasts_a_load_says_so_and_leaves_the_model_serving(tmp_path, repository):
+    # With no spare worker a load starts a process and imports TensorFlow (seconds); with a grace of 0 s an
+    # unload cannot wait for it: it answers 503 and the model, once loaded, serves. (It used to answer 200 and
+    # leave the model ready but refusing every request.)
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(repository), "DETECT_DEFAULT_MODEL": "alpha",
+                           "DETECT_SPARE_WORKERS": "0", "DETECT_SHUTDOWN_GRACE_S": "0"}, tmp_path / "log")
+    try:
+        assert server.request("POST", "/v2/repository/models/alpha/unload")[0] == 200
+        loads = []
+        loader = threading.Thread(target=lambda: loads.append(server.request("POST", "/v2/repository/models/alpha/load")))
+        loader.start()
+        wait_for(lambda: _models(server)["alpha"]["state"] == "loading", 30, "the load under way")
+        status, headers, body = server.request("POST", "/v2/repository/models/alpha/unload")
+        loader.join(120)
+        assert status == 503 and headers["Retry-After"] == "1" and "still loading" in body["error"], body
+        assert [load[0] for load in loads] == [200], loads
+        assert _models(server)["alpha"]["state"] == "ready" and not _models(server)["alpha"]["unloaded_by_request"]
+        assert server.request("POST", "/detect", RED, PNG)[0] == 200
+    finally:
+        assert server.stop() == 0

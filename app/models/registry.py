@@ -359,7 +359,8 @@ class ServedModel:
         """Drain the model's requests and end its worker (in the calling thread); its memory comes back.
 
         Idle and eviction unloads (`by_request` False) happen only while the model is still idle; return
-        whether it was unloaded.
+        whether it was unloaded. An unload by request waits for a load in progress up to `timeout_s`, and
+        raises ModelUnavailable if the load outlasts it (the model is left to load and serve).
         """
         registry = self.registry
         deadline = time.monotonic() + timeout_s
@@ -370,7 +371,8 @@ class ServedModel:
                     registry.lock.wait(0.5)  # let a load finish before unloading it
                 if self.state == "loading":  # still: leave it be, rather than ready and refusing every request
                     self.unloaded_by_request = False
-                    return False
+                    raise ModelUnavailable(f"model {self.name} is still loading after {timeout_s:g} s and was not "
+                                           "unloaded; ask again once it is ready")
                 if self.state == "failed":
                     self.state = "unloaded"
             elif self.idle_for(time.monotonic()) is None:
@@ -690,7 +692,11 @@ class ModelRegistry:
         raise LoadFailed(f"failed to load model {name}: {reason or 'it did not become ready in time'}")
 
     def unload(self, name: str) -> ServedModel:
-        """Unload a model by request; requests for it get 503 until it is loaded by request again."""
+        """Unload a model by request; requests for it get 503 until it is loaded by request again.
+
+        A load still running after shutdown_grace_s is left to finish, and the caller told so (ModelUnavailable,
+        503 with Retry-After), rather than answered as if the model were unloaded.
+        """
         model = self.get(name)
         model.unload("requested", by_request=True, timeout_s=self.settings.shutdown_grace_s)
         return model
