@@ -154,10 +154,8 @@ class Sampler:
 class Faults:
     """The fault injector: draws faults with the run's seed, applies them, and records each with its time."""
 
-    def __init__(self, server: bench.ServerProcess, repository: Path, seed: int, t0: float,
-                 weights: Optional[dict] = None):
-        self.server, self.repository, self.t0 = server, repository, t0
-        self.weights = weights or FAULTS
+    def __init__(self, server: bench.ServerProcess, repository: Path, seed: int, t0: float, weights: dict):
+        self.server, self.repository, self.t0, self.weights = server, repository, t0, weights
         self.rng = random.Random(seed)
         self.events: list[dict] = []
         self._corrupt_count = 0
@@ -363,11 +361,11 @@ def fault_weights(text: str) -> dict:
     """Parse --faults: 'burst=5,kill-worker=2' -> {'burst': 5, 'kill-worker': 2}; kinds from FAULTS only."""
     weights = {}
     for item in text.split(","):
-        kind, _, weight = item.partition("=")
-        if kind.strip() not in FAULTS or not weight.strip().isdigit() or int(weight) < 1:
+        kind, _, weight = (part.strip() for part in item.partition("="))
+        if kind not in FAULTS or not weight.isdigit() or int(weight) < 1:
             raise argparse.ArgumentTypeError(f"{item!r}: want KIND=WEIGHT with KIND one of {', '.join(FAULTS)} "
                                              "and WEIGHT a whole number from 1")
-        weights[kind.strip()] = int(weight)
+        weights[kind] = int(weight)
     return weights
 
 
