@@ -1,12 +1,15 @@
 """Process-wide setup, done once where a process starts rather than as a side effect of an import.
 
 `configure_cuda_order` runs in every process that may load TensorFlow (model workers, training,
-calibration); `configure_pillow` in every process that decodes uploads (the HTTP process, benchmarks).
+calibration); `configure_pillow` and `configure_allocator` in every process that decodes uploads (the HTTP
+process, benchmarks).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+from typing import Mapping, Optional
 
 # Pillow inflates PNG text chunks (tEXt, zTXt, iTXt) at open, up to 1 MiB each and 64 MiB in all; 64 MiB per
 # image, in each of the request threads at once, is memory and time no detection needs. 4 MiB keeps any real
@@ -31,3 +34,45 @@ def configure_pillow() -> None:
     # would otherwise warn or raise at its fixed limit, whatever the setting says.
     Image.MAX_IMAGE_PIXELS = None
     PngImagePlugin.MAX_TEXT_MEMORY = PNG_TEXT_MEMORY_CHUNKS * PngImagePlugin.MAX_TEXT_CHUNK
+
+
+# glibc's mallopt() parameters (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+
+# What the request threads' decoding needs from glibc's allocator. A decode allocates a few buffers of about a
+# megabyte (the JPEG's pixels, the RGB image, the array); with glibc's defaults the request threads' arenas gave
+# them back to the kernel after every request and faulted them in again on the next: 700 page faults and
+# 1.5 ms a request on a 640x480 JPEG (docs/concepts/latency.md). Buffers under MMAP_THRESHOLD come from the
+# heap, and a heap keeps up to TRIM_THRESHOLD free at its top; ARENA_MAX heaps bound what is kept to
+# ARENA_MAX x TRIM_THRESHOLD, 64 MiB, whatever the number of request threads.
+ALLOCATOR_OPTIONS = {M_MMAP_THRESHOLD: 4 << 20, M_TRIM_THRESHOLD: 16 << 20, M_ARENA_MAX: 4}
+
+# Environment variables by which a user tunes glibc's allocator; where one is set, theirs is the choice.
+ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_",
+                       "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def configure_allocator(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Keep the decoding buffers of request threads in the heap between requests; return what was done.
+
+    glibc only (elsewhere mallopt is absent and nothing changes), and only where the environment does not
+    tune the allocator itself (ALLOCATOR_VARIABLES: MALLOC_* settings, GLIBC_TUNABLES, a preloaded jemalloc or
+    tcmalloc). Setting the thresholds turns off glibc's own adjustment of them, which is what let the
+    buffers go back to the kernel.
+    """
+    environ = os.environ if environ is None else environ
+    chosen = sorted(name for name in ALLOCATOR_VARIABLES if environ.get(name))
+    if chosen:
+        return f"left as the environment sets it ({', '.join(chosen)})"
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  (glibc, whose mallopt these parameters are for)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "left alone (not glibc)"
+    refused = [param for param, value in ALLOCATOR_OPTIONS.items() if mallopt(param, value) != 1]
+    if refused:
+        return f"glibc refused mallopt parameters {refused}"
+    return ("glibc: buffers under 4 MiB from the heap, 16 MiB kept free per heap, at most 4 heaps")

@@ -322,7 +322,10 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
     from app.inference.images import decode_image
     from app.settings import Settings
     from app.inference.working_size import read_working_size
+    from app.process import configure_allocator, configure_pillow
 
+    configure_pillow()
+    configure_allocator()  # the server's allocator settings, so its decoding is timed as the server decodes
     max_pixels = Settings().max_image_pixels
     blobs = [body for body, _ in loadgen.read_bodies(images)]
     detector = load_detector(model)

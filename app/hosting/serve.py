@@ -115,10 +115,11 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     from ..metrics import ServiceMetrics
     from ..models.registry import ModelRegistry
     from ..models.repository import ModelRepository
-    from ..process import configure_pillow
+    from ..process import configure_allocator, configure_pillow
     from .lifecycle import Lifecycle
 
     configure_pillow()
+    log.info("memory allocator for decoding: %s", configure_allocator())
     repository = ModelRepository.open(settings.model_repository, settings.model)
     for problem in check_model_names(settings, _known_models(settings, repository), config):
         log.warning("%s; skipped (a file given with --config is checked strictly)", problem)
