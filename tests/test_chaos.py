@@ -106,6 +106,13 @@ def test_the_checker_finds_a_budget_overrun_and_each_kind_of_leak():
                _sample(25, ["shapes"], rss=400.0, threads=120, fds=90, lanes=4)]
     problems, figures = chaos_report.check_leaks(leaking, result)
     assert figures["rss_mib"] == [300.0, 400.0] and len(problems) == 4, problems
+    # A worker's lanes close a moment after it exits: one sample in that moment is not a leak; three are.
+    exiting = [_sample(5, ["shapes"], lanes=2), _sample(23, ["shapes"], lanes=2), _sample(24, ["shapes"], lanes=2),
+               _sample(25, ["shapes"], lanes=4)]
+    assert chaos_report.check_leaks(exiting, result)[0] == []
+    stuck = exiting[:1] + [{**exiting[-1], "t": t} for t in (23, 24, 25)]
+    problems, _ = chaos_report.check_leaks(stuck, result)
+    assert len(problems) == 1 and "4 memfd lanes mapped with 1 live workers (at most 2)" in problems[0], problems
     zombie = _sample(12, ["shapes"])
     zombie["children"]["1000"]["state"] = "Z"
     problems, _ = chaos_report.check_leaks([steady[0], zombie, {**zombie, "t": 13}, {**zombie, "t": 14}, steady[1]],
