@@ -398,11 +398,15 @@ def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], sec
               f"{figures['images_per_s']:8.2f} images/s (model calls {figures['model_ms_p50']:.1f} ms p50; "
               f"{figures['images_per_cpu_s']:.2f} per CPU-second at {figures['cpu_percent']:.0f}% CPU)",
               file=sys.stderr, flush=True)
+    # The single image again, after the batches: a first pass slowed by whatever else the shared machine
+    # was doing would make the goals' reference too easy to meet, so the faster of the two passes counts.
+    single_again_s = timed(lambda i: detector.run(decoded(i, 1)), at_least=5)
+    single_p50 = min(loadgen.percentile(single_s, 50), loadgen.percentile(single_again_s, 50))
     best = max(per_run, key=lambda k: per_run[k]["images_per_s"])
     return {
         "model": str(model), "model_max_batch": limit, "working_size": working.describe() if working else None,
         "decode_ms_p50": round(1000 * loadgen.percentile(decode_s, 50), 2),
-        "single_image_ms_p50": round(1000 * loadgen.percentile(single_s, 50), 2),  # decode + batch-1 call
+        "single_image_ms_p50": round(1000 * single_p50, 2),  # decode + batch-1 call, the faster of two passes
         "per_batch": per_run,
         "best_batch": per_run[best]["batch"],
         "best_threads": per_run[best]["threads"],

@@ -42,6 +42,7 @@ def test_smoke_writes_the_table_and_leaves_no_process_behind(tmp_path):
         assert 0 < step["pss_mib_peak"] <= step["rss_mib_peak"] and step["processes"] >= 2  # HTTP + worker
         assert step["unique_mib_peak"] is None or 0 < step["unique_mib_peak"] <= step["rss_mib_peak"] * 1.1
         assert step["load_average"]["before"] and step["load_average"]["after"]
+        assert 0 < step["client_cpu_percent"] <= 100
     assert service["check"].startswith("ok") and service["stop"]["left"] == []
     assert [p["system"] for p in peers] == ["ray", "kserve", "mlserver"]
     assert all("no virtual environment" in p["skipped"] for p in peers)

@@ -135,6 +135,9 @@ def step(how: systems.Launch, images: Path, work: Path, connections: int, durati
             "p99_ms": latency["p99"], "requests": result["requests"], "statuses": result["statuses"],
             "errors": result["error_total"], "unique_mib_peak": peak["unique_mib"], "rss_mib_peak": peak["rss_mib"],
             "pss_mib_peak": peak["pss_mib"],
+            # The load generator runs on the same CPUs: the share of them it took is not the system's.
+            "client_cpu_percent": round(100 * result["client_cpu_s"] / max(result["elapsed_s"], 1e-9)
+                                        / (os.cpu_count() or 1), 1),
             "processes": peak["processes"], "load_average": {"before": before, "after": load_average()},
             "seen": tree.seen}
 
@@ -225,15 +228,16 @@ def table(result: dict) -> str:
         f"thread(s)); load average {ceiling['load_average']}.",
         "",
         "| system | img/s at 64 | p50 / p99 at 1 (ms) | p50 / p99 at 64 (ms) | memory at rest, MiB: resident "
-        "(RSS summed, PSS summed) | memory, peak under load | processes | load average (1 min) at 1 / 64 |",
-        "|---|---|---|---|---|---|---|---|",
+        "(RSS summed, PSS summed) | memory, peak under load | processes | load average (1 min) at 1 / 64 "
+        "| load generator's share of the CPUs at 1 / 64 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["systems"]:
         if row.get("skipped"):
-            lines.append(f"| {row['title']} | skipped: {row['skipped']} | | | | | | |")
+            lines.append(f"| {row['title']} | skipped: {row['skipped']} | | | | | | | |")
             continue
         if row.get("error"):
-            lines.append(f"| {row['title']} | failed: {row['error']} | | | | | | |")
+            lines.append(f"| {row['title']} | failed: {row['error']} | | | | | | | |")
             continue
         one, many, memory, rest = at(row, 1), at(row, 64), memory_of(row), row["at_rest"]
         errors = sum(s["errors"] for s in row["steps"])
@@ -243,7 +247,8 @@ def table(result: dict) -> str:
             f"| {_mib(rest.get('unique_mib'))} ({rest['rss_mib']:.0f}, {rest['pss_mib']:.0f}) "
             f"| {_mib(memory['unique_mib'])} ({memory['rss_mib']:.0f}, {memory['pss_mib']:.0f}) "
             f"| {memory['processes']} "
-            f"| {one['load_average']['after'][0]} / {many['load_average']['after'][0]} |")
+            f"| {one['load_average']['after'][0]} / {many['load_average']['after'][0]} "
+            f"| {_percent(one.get('client_cpu_percent'))} / {_percent(many.get('client_cpu_percent'))} |")
     lines += ["", "Memory of the whole process tree, from `/proc`, at rest after the warm-up and the peak over the "
               "two load steps: its resident pages counted once (page frames from `/proc/<pid>/pagemap`), then "
               "VmRSS summed (a page shared by n processes counted n times) and Pss summed (a shared page divided "
@@ -397,6 +402,10 @@ def write(result: dict, out: Path) -> None:
 
 def _mib(value) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{value:g}%"
 
 
 def service_version(args) -> str:
