@@ -181,6 +181,44 @@ def test_a_burst_of_connections_while_the_server_cannot_accept_is_queued_and_eve
         assert server.stop() == 0
 
 
+def test_connections_queued_by_the_kernel_at_sigterm_are_answered_not_reset(blob_model_dir, tmp_path):
+    """Closing a listening socket resets what the kernel queued and the server had not accepted: a chaos soak's
+    SIGTERM under traffic reset 3 clients so. Here a burst lands while the server is stopped, SIGTERM is
+    pending, and on SIGCONT the drain finds nothing in flight: before the port was sealed first, the close
+    reset every one of them (here all 300)."""
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    if somaxconn < 128:
+        pytest.skip(f"net.core.somaxconn is {somaxconn}: too few connections queue to show the close")
+    burst = min(300, somaxconn - 8)
+    server = start_server({"DETECT_MODEL": str(blob_model_dir)}, tmp_path / "log")
+    image = encode(np.full((32, 32, 3), 90, np.uint8), "PNG")
+    answers: list = []
+
+    def detect():
+        try:
+            answers.append(server.request("POST", "/detect", image, {"Content-Type": "image/png"}, timeout=60)[0])
+        except OSError as exc:
+            answers.append(type(exc).__name__)
+
+    server.process.send_signal(signal.SIGSTOP)  # the reactor accepts nothing while the connections arrive
+    try:
+        clients = [threading.Thread(target=detect) for _ in range(burst)]
+        for thread in clients:
+            thread.start()
+        time.sleep(1.5)  # every handshake done and every request sent, into the kernel's queue
+        server.process.send_signal(signal.SIGTERM)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    for thread in clients:
+        thread.join(90)
+    assert server.process.wait(60) == 0
+    counts = {str(a): answers.count(a) for a in set(answers)}
+    assert len(answers) == burst and set(answers) == {503}, counts  # draining: each refused in HTTP, none reset
+    log = server.log()
+    assert re.search(r"port sealed: no new connection completes; \d+ queued by the kernel", log), log[-3000:]
+    assert "resets" not in log and "Traceback" not in log, log[-3000:]
+
+
 def _quietly(server, body):
     try:
         server.request("POST", "/detect", body, {"Content-Type": "image/png"}, timeout=30)

@@ -1,1 +1,2 @@
-"""Twisted's side: the Site that admits and drains, the lifecycle, and the `serve` composition root."""
+"""Twisted's side: the Site that admits and drains, the listening socket's close at shutdown, the lifecycle,
+and the `serve` composition root."""

@@ -11,7 +11,8 @@ The gRPC services (app/grpc), unless grpc_port is off, listen beside the HTTP po
 over the same app and models; the notify channel's "listening" event carries both ports.
 
 SIGTERM or SIGINT: /readyz turns 503, new inference requests get 503, those in flight finish (up to
-shutdown_grace_s), the port closes; the gRPC port stops taking calls at once and lets those in flight
+shutdown_grace_s), the port is sealed and what the kernel queued answered (app/hosting/listening.py),
+the port closes; the gRPC port stops taking calls at once and lets those in flight
 finish within the same grace; every worker is stopped, exit 0.
 """
 

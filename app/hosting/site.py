@@ -24,6 +24,7 @@ from ..http.errors import ErrorAnswer, error_answer
 from ..http.paths import Target, inference_target, protocol_of
 from ..settings import Settings
 from ..timeline import RECEIVED_KEY, TIMELINE_KEY, Timeline
+from . import listening
 
 access_log = logging.getLogger("app.access")
 log = logging.getLogger(__name__)
@@ -234,6 +235,8 @@ class DetectChannel(http.HTTPChannel):
     _header_timer = None
     _body_timer = None
     _awaiting_headers = True
+    began_request = False  # a request's headers have arrived on this connection
+    lost = False
 
     def dataReceived(self, data):
         if self._awaiting_headers and self._header_timer is None and data:
@@ -243,6 +246,7 @@ class DetectChannel(http.HTTPChannel):
 
     def allHeadersReceived(self):
         self._awaiting_headers = False
+        self.began_request = True
         self._cancel("_header_timer")
         self._body_timer = self.callLater(self.site.settings.body_timeout_s, self._deadline_passed, "request body")
         super().allHeadersReceived()
@@ -256,6 +260,7 @@ class DetectChannel(http.HTTPChannel):
         super().requestDone(request)
 
     def connectionLost(self, reason):
+        self.lost = True
         self._cancel("_header_timer")
         self._cancel("_body_timer")
         super().connectionLost(reason)
@@ -326,6 +331,7 @@ class DetectSite(server.Site):
         self._on_refused = on_refused  # called with (route, status, model) of each request refused here
         self._queue_refusal = queue_refusal
         self._on_stages = on_stages  # called with (model, timeline) of each request that ran images
+        self._accepted_sealed: Optional[list] = None  # the channels accepted since the drain sealed the port
 
     def admit_inference(self, target: Target) -> Optional[RequestError]:
         """Count an inference request in, or return the error that refuses it."""
@@ -371,23 +377,65 @@ class DetectSite(server.Site):
     def log(self, request) -> None:
         """Twisted's access log hook; log_access replaces it."""
 
+    def buildProtocol(self, addr):
+        channel = super().buildProtocol(addr)
+        if self._accepted_sealed is not None:
+            self._accepted_sealed.append(channel)
+        return channel
+
     def drain(self, port, grace_s: float) -> defer.Deferred:
-        """Wait until no request is in flight (at most grace_s), then stop listening.
+        """Wait until no request is in flight (at most grace_s), then close the port without resets.
 
         The lifecycle is draining already, so new inference requests are refused. The port stays open
-        meanwhile, so probes see /readyz answer 503 rather than a refused connection.
+        meanwhile, so probes see /readyz answer 503 rather than a refused connection. Once nothing is
+        in flight the port is sealed (app/hosting/listening.py): no new connection completes, those the
+        kernel had queued are accepted and answered, and only then does the port close, so closing it
+        resets no connection whose request was on its way.
         """
         deadline = time.monotonic() + grace_s
         done = defer.Deferred()
+        sealed_at: Optional[float] = None
 
         def check():
-            if self.in_flight <= 0 or time.monotonic() >= deadline:
+            nonlocal sealed_at
+            now = time.monotonic()
+            if now < deadline:
                 if self.in_flight > 0:
-                    log.warning("shutdown grace of %.0f s is over with %d request(s) in flight", grace_s,
-                                self.in_flight)
-                loop.stop()
+                    return
+                if sealed_at is None:
+                    sealed_at = now
+                    if self._seal(port):
+                        return  # the reactor accepts what the kernel queued; wait for their requests
+                elif self._sealed_waiting(port) and now < sealed_at + self.settings.header_timeout_s:
+                    return
+            if self.in_flight > 0:
+                log.warning("shutdown grace of %.0f s is over with %d request(s) in flight", grace_s, self.in_flight)
+            loop.stop()
 
         loop = task.LoopingCall(check)
         loop.start(0.05, now=True).addCallback(lambda _: done.callback(None))
-        done.addCallback(lambda _: port.stopListening())
+        done.addCallback(lambda _: self._close(port))
         return done
+
+    def _seal(self, port) -> bool:
+        """Seal the listening socket and start counting the connections accepted from then on."""
+        listener = getattr(port, "socket", None)
+        if listener is None or not listening.seal(listener):
+            return False
+        self._accepted_sealed = []
+        log.info("port sealed: no new connection completes; %s queued by the kernel to accept and answer "
+                 "before it closes", listening.queued(listener))
+        return True
+
+    def _sealed_waiting(self, port) -> bool:
+        """True while the kernel still queues a connection, or one accepted since the seal has sent no request."""
+        if listening.queued(port.socket):
+            return True
+        return any(not channel.began_request and not channel.lost for channel in self._accepted_sealed or ())
+
+    def _close(self, port):
+        listener = getattr(port, "socket", None)
+        left = listening.queued(listener) if listener is not None else None
+        if left:
+            log.warning("closing the port resets %d connection(s) the kernel had queued", left)
+        return port.stopListening()
