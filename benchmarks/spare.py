@@ -120,9 +120,7 @@ def measure(service_root: Path, model: Path, spares: int, jpeg: bytes, work: Pat
     except (RuntimeError, OSError, ValueError, StopIteration) as exc:
         row["error"] = f"{type(exc).__name__}: {exc} (log: {log})"
     finally:
-        seen.update(proctree.identities(proctree.tree(process.pid)))
-        row["stop"] = proctree.stop(process.pid, seen)
-        process.wait()
+        row["stop"] = proctree.stop_started(process, seen)
     return row
 
 

@@ -170,6 +170,18 @@ def stop(leader: int, seen: Optional[dict[int, int]] = None, timeout_s: float = 
     return {"exit": "killed" if left else "terminated", "killed": left, "left": _alive(leader, seen)}
 
 
+def stop_started(process, seen: dict[int, int]) -> dict:
+    """Stop a leader this program started (a subprocess.Popen) and its tree, what `seen` holds too; reap it.
+
+    The tree as it is now joins `seen` first, so a child that outlives its parent is still found.
+    Return stop()'s answer.
+    """
+    seen.update(identities(tree(process.pid)))
+    answer = stop(process.pid, seen)
+    process.wait()
+    return answer
+
+
 def _alive(leader: int, seen: dict[int, int]) -> list[int]:
     """Live processes of the tree, and of `seen` that are still the same processes (not zombies)."""
     alive = set(tree(leader))

@@ -81,9 +81,7 @@ def measure(system: systems.System, args, images: Path, work: Path, reference: l
         row["error"] = f"{type(exc).__name__}: {exc}"
         progress(f"{system.name}: FAILED: {row['error']} (log: {log})")
     finally:
-        seen.update(proctree.identities(proctree.tree(process.pid)))
-        row["stop"] = proctree.stop(process.pid, seen)
-        process.wait()
+        row["stop"] = proctree.stop_started(process, seen)
         progress(f"{system.name}: stopped ({row['stop']['exit']}); left behind: {row['stop']['left'] or 'none'}")
     return row
 
