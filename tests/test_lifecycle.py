@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import gauge as _gauge, in_flight as _in_flight, start_server
+from conftest import gauge as _gauge, in_flight as _in_flight, start_server, wait_for
 from images_for_tests import encode
 
 
@@ -181,6 +182,17 @@ def test_a_burst_of_connections_while_the_server_cannot_accept_is_queued_and_eve
         assert server.stop() == 0
 
 
+def _accept_queue(port: int) -> int:
+    """The kernel's accept queue of the socket listening on `port` (a listener's rx_queue in /proc/net/tcp)."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                total += int(fields[4].split(":")[1], 16)
+    return total
+
+
 def test_connections_queued_by_the_kernel_at_sigterm_are_answered_not_reset(blob_model_dir, tmp_path):
     """Closing a listening socket resets what the kernel queued and the server had not accepted: a chaos soak's
     SIGTERM under traffic reset 3 clients so. Here a burst lands while the server is stopped, SIGTERM is
@@ -205,7 +217,8 @@ def test_connections_queued_by_the_kernel_at_sigterm_are_answered_not_reset(blob
         clients = [threading.Thread(target=detect) for _ in range(burst)]
         for thread in clients:
             thread.start()
-        time.sleep(1.5)  # every handshake done and every request sent, into the kernel's queue
+        wait_for(lambda: _accept_queue(server.port) >= burst, 60, "every connection in the kernel's queue")
+        time.sleep(0.5)  # each client sends its request once connected
         server.process.send_signal(signal.SIGTERM)
     finally:
         server.process.send_signal(signal.SIGCONT)
@@ -215,8 +228,34 @@ def test_connections_queued_by_the_kernel_at_sigterm_are_answered_not_reset(blob
     counts = {str(a): answers.count(a) for a in set(answers)}
     assert len(answers) == burst and set(answers) == {503}, counts  # draining: each refused in HTTP, none reset
     log = server.log()
-    assert re.search(r"port sealed: no new connection completes; \d+ queued by the kernel", log), log[-3000:]
+    assert re.search(rf"port sealed: no new connection completes; {burst} queued by the kernel", log), log[-3000:]
     assert "resets" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_connection_that_sends_its_request_slowly_after_sigterm_is_answered_before_the_server_exits(
+        blob_model_dir, tmp_path):
+    """A client connected before SIGTERM whose request arrives after it, in pieces: the server waits for it
+    (within the header and body deadlines and the grace) and answers it, instead of exiting under it."""
+    server = start_server({"DETECT_MODEL": str(blob_model_dir)}, tmp_path / "log")
+    image = encode(np.full((32, 32, 3), 90, np.uint8), "PNG")
+    head = (f"POST /detect HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {len(image)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as client:
+        time.sleep(0.3)  # accepted, with no request yet
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(4.0)  # past the stop of its workers: the server exited here before it waited for this client
+        client.sendall(head)
+        time.sleep(1.0)
+        client.sendall(image[:10])
+        time.sleep(1.0)
+        client.sendall(image[10:])
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 503 "), answer[:300]
+    assert b'"not_ready"' in answer
+    assert server.process.wait(60) == 0
+    assert "Traceback" not in server.log()
 
 
 def _quietly(server, body):

@@ -235,10 +235,20 @@ class DetectChannel(http.HTTPChannel):
     _header_timer = None
     _body_timer = None
     _awaiting_headers = True
-    began_request = False  # a request's headers have arrived on this connection
+    opened_at = 0.0
+    requests_begun = 0
+    mid_request = False  # a request's first bytes have arrived and its answer is not finished
     lost = False
 
+    def connectionMade(self):
+        self.opened_at = time.monotonic()
+        self.site.open_channels.add(self)
+        super().connectionMade()
+
     def dataReceived(self, data):
+        if self._awaiting_headers and data and not self.mid_request:
+            self.mid_request = True
+            self.requests_begun += 1
         if self._awaiting_headers and self._header_timer is None and data:
             self._header_timer = self.callLater(
                 self.site.settings.header_timeout_s, self._deadline_passed, "request headers")
@@ -246,7 +256,6 @@ class DetectChannel(http.HTTPChannel):
 
     def allHeadersReceived(self):
         self._awaiting_headers = False
-        self.began_request = True
         self._cancel("_header_timer")
         self._body_timer = self.callLater(self.site.settings.body_timeout_s, self._deadline_passed, "request body")
         super().allHeadersReceived()
@@ -257,13 +266,25 @@ class DetectChannel(http.HTTPChannel):
 
     def requestDone(self, request):
         self._awaiting_headers = True
+        self.mid_request = False
         super().requestDone(request)
 
     def connectionLost(self, reason):
         self.lost = True
+        self.site.open_channels.discard(self)
         self._cancel("_header_timer")
         self._cancel("_body_timer")
         super().connectionLost(reason)
+
+    def holds_the_close(self, now: float) -> bool:
+        """True while closing the server would cut this connection short: a request of it is on its way or
+        unanswered, its answer is still being written, or it is new (younger than header_timeout_s) and has
+        sent nothing yet."""
+        if self.lost:
+            return False
+        if self.mid_request or getattr(self.transport, "disconnecting", False):
+            return True
+        return self.requests_begun == 0 and now - self.opened_at < self.site.settings.header_timeout_s
 
     def lineLengthExceeded(self, line):
         """Answer 431 to a request line or header line over Twisted's 16 KiB, instead of a silent close."""
@@ -331,7 +352,7 @@ class DetectSite(server.Site):
         self._on_refused = on_refused  # called with (route, status, model) of each request refused here
         self._queue_refusal = queue_refusal
         self._on_stages = on_stages  # called with (model, timeline) of each request that ran images
-        self._accepted_sealed: Optional[list] = None  # the channels accepted since the drain sealed the port
+        self.open_channels: set = set()  # every connection of this Site not yet lost
 
     def admit_inference(self, target: Target) -> Optional[RequestError]:
         """Count an inference request in, or return the error that refuses it."""
@@ -377,36 +398,31 @@ class DetectSite(server.Site):
     def log(self, request) -> None:
         """Twisted's access log hook; log_access replaces it."""
 
-    def buildProtocol(self, addr):
-        channel = super().buildProtocol(addr)
-        if self._accepted_sealed is not None:
-            self._accepted_sealed.append(channel)
-        return channel
-
     def drain(self, port, grace_s: float) -> defer.Deferred:
         """Wait until no request is in flight (at most grace_s), then close the port without resets.
 
         The lifecycle is draining already, so new inference requests are refused. The port stays open
         meanwhile, so probes see /readyz answer 503 rather than a refused connection. Once nothing is
-        in flight the port is sealed (app/hosting/listening.py): no new connection completes, those the
-        kernel had queued are accepted and answered, and only then does the port close, so closing it
-        resets no connection whose request was on its way.
+        in flight the port is sealed (app/hosting/listening.py): no new connection completes; the
+        reactor accepts what the kernel had queued, and the port closes once that queue is empty and no
+        connection holds the close (DetectChannel.holds_the_close: a request on its way or unanswered,
+        or a new connection that has not spoken yet), all within the grace. So neither the close nor the
+        reactor's stop after it cuts a request short. With a grace of 0, or where the port cannot be
+        sealed, it closes at once, as before.
         """
         deadline = time.monotonic() + grace_s
         done = defer.Deferred()
-        sealed_at: Optional[float] = None
+        sealed: Optional[bool] = None  # None: not tried yet
 
         def check():
-            nonlocal sealed_at
+            nonlocal sealed
             now = time.monotonic()
             if now < deadline:
                 if self.in_flight > 0:
                     return
-                if sealed_at is None:
-                    sealed_at = now
-                    if self._seal(port):
-                        return  # the reactor accepts what the kernel queued; wait for their requests
-                elif self._sealed_waiting(port) and now < sealed_at + self.settings.header_timeout_s:
+                if sealed is None:
+                    sealed = self._seal(port)
+                if sealed and self._held_open(port, now):
                     return
             if self.in_flight > 0:
                 log.warning("shutdown grace of %.0f s is over with %d request(s) in flight", grace_s, self.in_flight)
@@ -418,20 +434,18 @@ class DetectSite(server.Site):
         return done
 
     def _seal(self, port) -> bool:
-        """Seal the listening socket and start counting the connections accepted from then on."""
         listener = getattr(port, "socket", None)
         if listener is None or not listening.seal(listener):
             return False
-        self._accepted_sealed = []
-        log.info("port sealed: no new connection completes; %s queued by the kernel to accept and answer "
-                 "before it closes", listening.queued(listener))
+        log.info("port sealed: no new connection completes; %s queued by the kernel and %d open to answer "
+                 "before it closes", listening.queued(listener), len(self.open_channels))
         return True
 
-    def _sealed_waiting(self, port) -> bool:
-        """True while the kernel still queues a connection, or one accepted since the seal has sent no request."""
+    def _held_open(self, port, now: float) -> bool:
+        """True while the kernel still queues a connection, or an open one holds the close."""
         if listening.queued(port.socket):
             return True
-        return any(not channel.began_request and not channel.lost for channel in self._accepted_sealed or ())
+        return any(channel.holds_the_close(now) for channel in self.open_channels)
 
     def _close(self, port):
         listener = getattr(port, "socket", None)
