@@ -71,13 +71,16 @@ def test_the_checker_finds_wrong_boxes_refusals_without_retry_after_and_lost_req
         _record(13.0, status=500, error="internal"),
         _record(14.0, status=0, outcome="reset"),
         _record(31.0, status=0, outcome="refused"),  # the port is closed during the stop: allowed
+        _record(31.0, protocol="grpc", status=500, grpc="CANCELLED"),  # gRPC core's word at its shutdown: allowed
+        _record(17.0, protocol="grpc", status=500, grpc="CANCELLED"),  # before the stop: a problem
         _record(15.0, kind="slow-client", case="slowloris", outcome="held-open", closed_after_s=30.0, limit_s=4.0),
         _record(16.0, kind="bad-input", case="wrong-type", status=415, expected=[415, 503]),
     ]
     problems = chaos_report.check_answers(records, PHASES)
-    assert len(problems) == 5, problems
+    assert len(problems) == 6, problems
     assert [p.split(": ", 1)[1][:12] for p in problems] == [
-        "status 200, ", "503 without ", "status 500 (", "no answer (r", "a slowloris "]
+        "status 200, ", "503 without ", "status 500 (", "no answer (r", "status 500 (", "a slowloris "]
+    assert "(CANCELLED)" in problems[4]
 
 
 def test_the_checker_wants_requests_in_flight_at_a_kill_answered_200():
@@ -87,6 +90,14 @@ def test_the_checker_wants_requests_in_flight_at_a_kill_answered_200():
                _record(4.8, model="shapes", ms=400.0, status=503), _record(5.5, model="objects")]
     problems, in_flight = chaos_report.check_crashes(records, faults)
     assert in_flight == 2 and len(problems) == 1 and "status 503" in problems[0]
+    # A request whose deadline ran out (it had waited for a load, then for the restart) may get 503 or 504 at it,
+    # not before it.
+    late = [_record(1.0, model="objects", ms=15_100.0, status=503, error="model_unavailable"),
+            _record(1.0, model="objects", ms=14_000.0, status=503, error="model_unavailable"),
+            _record(1.0, model="objects", ms=15_100.0, status=500, error="internal")]
+    problems, in_flight = chaos_report.check_crashes(late, faults, deadline_s=15.0)
+    assert in_flight == 3 and len(problems) == 2, problems
+    assert "status 503" in problems[0] and "status 500" in problems[1]
 
 
 def _sample(t: float, workers: list[str], rss: float = 300.0, threads: int = 100, fds: int = 60, lanes: int = 0):
