@@ -63,8 +63,9 @@ class ServiceMetrics:
                                      "requested.", ("model", "reason"), registry=r)
         self.worker_restarts = Counter("detect_worker_restarts", "Unexpected worker exits, each followed by a restart "
                                        "or a give-up.", ("model",), registry=r)
-        self.model_load_seconds = Histogram("detect_model_load_seconds", "From the start of a load to ready.",
-                                            ("model",), buckets=LOAD_BUCKETS, registry=r)
+        self.model_load_seconds = Histogram("detect_model_load_seconds", "From the budget had for a load to ready "
+                                            "(a wait for room is not counted).", ("model",), buckets=LOAD_BUCKETS,
+                                            registry=r)
         if gpu_report is not None:
             r.register(_GpuMemoryCollector(gpu_report))
 

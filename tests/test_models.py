@@ -193,6 +193,16 @@ def test_models_take_turns_when_the_budget_holds_one_and_never_two_workers_live_
         assert alive and max(alive) == 1, alive
         assert _metric(server, 'detect_model_unloads_total{model="alpha",reason="evicted"}') == 3.0
         assert "unloading idle model alpha to make room on GPU 0" in server.log()
+        # A load's own time, the eviction rule's break-even, leaves out its wait for room. With the wait in it,
+        # each load here waited for the other model to be idle longer than the one before, until the sixth
+        # request ran out of its deadline (504, in CI).
+        ready = re.findall(r"model (\w+) version \d+ ready in ([\d.]+) s(?:, ([\d.]+) s of it waiting for room in "
+                           r"the budget)?", server.log())
+        assert any(waited for _, _, waited in ready), ready
+        models = _models(server)
+        for name in ("alpha", "beta"):
+            total, waited = [(float(t), float(w or 0)) for n, t, w in ready if n == name][-1]
+            assert abs(models[name]["last_load_s"] - (total - waited)) < 0.02, (name, total, waited, models[name])
     finally:
         stop.set()
         assert server.stop() == 0

@@ -284,7 +284,12 @@ class ServedModel:
             registry.lock.notify_all()
 
     def _publish(self, worker: WorkerProcess, version: ModelVersion, seconds: float) -> None:
-        """Make `worker` the one that serves (under the lock)."""
+        """Make `worker` the one that serves (under the lock); `seconds` since the load was asked for.
+
+        The load's own time (`last_load_s`, the load histogram, the eviction rule's break-even) starts once
+        the budget was had: a load that waited for room would otherwise make the next eviction wait longer,
+        that load's wait longer again, and so on, until requests ran out of their deadline.
+        """
         self.worker, self.version, self.state, self.reason = worker, version, "ready", None
         self.restart_at = None  # a swap's worker that takes over from a crashed one ends its pending restart
         if self.kept_reservation is not None:  # ... and the budget kept for that restart goes back
@@ -295,14 +300,17 @@ class ServedModel:
         self.signature_defs = worker.loaded.get("signature_defs")
         model_batch = worker.loaded.get("max_batch")
         self.queue.set_max_batch(min(self.settings.max_batch_size, model_batch or self.settings.max_batch_size))
+        now = time.monotonic()
+        own_s = seconds if worker.reserved_at is None else min(seconds, now - worker.reserved_at)
         self.loads += 1
-        self.last_load_s = seconds
+        self.last_load_s = own_s
         self.last_load_unix = time.time()
-        self.last_used = time.monotonic()
+        self.last_used = now
         self.failed_versions.pop(version.version, None)
-        self.registry.observe_load(self, seconds)
-        log.info("model %s version %s ready in %.2f s on worker %d (%s)", self.name, version.version, seconds,
-                 worker.pid, _policy_text(worker))
+        self.registry.observe_load(self, own_s)
+        waited = f", {seconds - own_s:.2f} s of it waiting for room in the budget" if seconds - own_s >= 0.01 else ""
+        log.info("model %s version %s ready in %.2f s%s on worker %d (%s)", self.name, version.version, seconds,
+                 waited, worker.pid, _policy_text(worker))
 
     def _load_failed(self, attempt: _Attempt, exc: DetectError, worker_crashed: bool) -> None:
         """Record a failed load (under the lock): retry a crash with backoff, else fail or stay unloaded."""
@@ -443,6 +451,7 @@ class ServedModel:
             if old is None or was_failed:
                 self._replace_failed(version)
                 return
+            started = time.monotonic()
             try:
                 worker = registry.start_worker(self, version, evict=False)
             except InsufficientGpuMemory:
@@ -452,7 +461,7 @@ class ServedModel:
                 self._version_failed(version, exc)
                 return
             with registry.lock:
-                self._publish(worker, version, worker.loaded.get("seconds", 0.0))
+                self._publish(worker, version, time.monotonic() - started)
                 registry.lock.notify_all()
             log.info("model %s: version %s serves beside version %s, which drains", self.name, version.version,
                      old.model.version if old.model else "?")
@@ -718,12 +727,13 @@ class ModelRegistry:
             key, model.kept_reservation = model.kept_reservation, None
         if key is None:
             key = self._reserve(model, version, caps, evict)
+        reserved_at = time.monotonic()
         try:
             worker = self.pool.take(self.settings.load_timeout_s)
         except DetectError:
             self.ledger.release(key)
             raise
-        worker.reservation = key
+        worker.reservation, worker.reserved_at = key, reserved_at
         try:
             worker.load(version, {"gpu_memory": str(model.settings.gpu_memory),
                                   "gpus": _gpus_text(model.settings.gpus)},

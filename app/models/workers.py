@@ -69,6 +69,7 @@ class WorkerProcess:
         self.model: Optional[ModelVersion] = None
         self.loaded: Optional[dict] = None  # signature, max_batch, policy, seconds: from its `loaded` message
         self.reservation: Optional[object] = None  # the budget key it holds until it has exited
+        self.reserved_at: Optional[float] = None  # when that budget was had: its model's load costs from there
         self.exit_code: Optional[int] = None
         self.expected_exit = False  # set when this side asked it to end
         self._on_exit = on_exit
