@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,40 +39,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import proctree  # noqa: E402  (benchmarks/peers is not a package)
 from bench import load_average, make_images  # noqa: E402
 from loadgen import read_bodies  # noqa: E402
-from run import photo_images  # noqa: E402
-from systems import free_port, spares_ready  # noqa: E402
-
-TIMEOUT_S = 300.0
-
-
-def start_service(service_root: Path, model: Path, spares: int, log: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DETECT_", "PYTHONPATH"))}
-    env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT="off", DETECT_MODEL=str(model),
-               DETECT_SPARE_WORKERS=str(spares), TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(service_root))
-    with log.open("wb") as handle:
-        process = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=service_root, env=env, stdout=handle,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    return process, port
-
-
-def wait_ready(process: subprocess.Popen, port: int, spares: int, log: Path) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the service exited with {process.returncode} (log: {log})")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", "/v2/health/ready")
-            answer = connection.getresponse()
-            answer.read()
-            if answer.status == 200 and spares_ready(port, spares):
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the service was not ready in {TIMEOUT_S:.0f} s (log: {log})")
-        time.sleep(0.2)
+import systems  # noqa: E402
+from run import photo_images, wait_ready  # noqa: E402
 
 
 class InProcess:
@@ -117,15 +86,20 @@ def p50_ms(seconds: list[float]) -> float:
     return round(statistics.median(seconds) * 1000, 2)
 
 
-def measure(args, jpegs: list[bytes], log: Path) -> dict:
+def measure(args, jpegs: list[bytes], work: Path) -> dict:
+    """Start the service as the peer benchmark does (gRPC off), then time it and the model in process by turns."""
     in_process = InProcess(args.model)
-    process, port = start_service(args.service_root, args.model, args.spares, log)
+    system = replace(systems.SYSTEMS["service-no-spare"], spare_workers=args.spares)
+    how = systems.launch(system, args.model, args.service_root, work, work)  # no peer: no venv is used
+    with (work / "server.log").open("wb") as handle:
+        process = subprocess.Popen(how.command, cwd=how.cwd, env=how.env, stdout=handle, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
     seen: dict[int, int] = {}
     result: dict = {"load_average": {"before": load_average()}}
     try:
-        wait_ready(process, port, args.spares, log)
+        wait_ready(how, process, system, jpegs[0])
         seen.update(proctree.identities(proctree.tree(process.pid)))
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection = http.client.HTTPConnection("127.0.0.1", how.port, timeout=60)
         for i in range(args.per_block):  # warm both: the first calls of each are slow
             ask(connection, jpegs[i % len(jpegs)])
             in_process.run(jpegs[i % len(jpegs)])
@@ -194,7 +168,7 @@ def main(argv=None) -> int:
               "model": str(args.model), "images": args.images, "blocks": args.blocks, "per_block": args.per_block,
               "spare_workers": args.spares,
               "command": "benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-    result.update(measure(args, jpegs, args.out / "server.log"))
+    result.update(measure(args, jpegs, args.out))
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1))
     (args.out / "overhead.md").write_text(table(result))
     print(table(result))

@@ -51,6 +51,6 @@ def test_a_service_that_exits_at_start_is_reported_not_waited_for(tmp_path):
                           timeout=120, stdin=subprocess.DEVNULL)
     assert done.returncode == 1
     result = json.loads((tmp_path / "out" / "overhead.json").read_text())
-    assert result["error"].startswith("RuntimeError: the service exited with 3")
+    assert result["error"] == "RuntimeError: it exited with status 3"
     assert "requests" not in result and result["stop"]["left"] == []
-    assert (tmp_path / "out" / "overhead.md").read_text().startswith("failed: RuntimeError: the service exited")
+    assert (tmp_path / "out" / "overhead.md").read_text().startswith("failed: RuntimeError: it exited with status 3")

@@ -237,8 +237,6 @@ class DetectChannel(http.HTTPChannel):
     _awaiting_headers = True
     opened_at = 0.0
     requests_begun = 0
-    mid_request = False  # a request's first bytes have arrived and its answer is not finished
-    lost = False
 
     def connectionMade(self):
         self.opened_at = time.monotonic()
@@ -246,10 +244,8 @@ class DetectChannel(http.HTTPChannel):
         super().connectionMade()
 
     def dataReceived(self, data):
-        if self._awaiting_headers and data and not self.mid_request:
-            self.mid_request = True
+        if self._awaiting_headers and self._header_timer is None and data:  # a request's first bytes
             self.requests_begun += 1
-        if self._awaiting_headers and self._header_timer is None and data:
             self._header_timer = self.callLater(
                 self.site.settings.header_timeout_s, self._deadline_passed, "request headers")
         super().dataReceived(data)
@@ -266,23 +262,20 @@ class DetectChannel(http.HTTPChannel):
 
     def requestDone(self, request):
         self._awaiting_headers = True
-        self.mid_request = False
         super().requestDone(request)
 
     def connectionLost(self, reason):
-        self.lost = True
         self.site.open_channels.discard(self)
         self._cancel("_header_timer")
         self._cancel("_body_timer")
         super().connectionLost(reason)
 
     def holds_the_close(self, now: float) -> bool:
-        """True while closing the server would cut this connection short: a request of it is on its way or
-        unanswered, its answer is still being written, or it is new (younger than header_timeout_s) and has
-        sent nothing yet."""
-        if self.lost:
-            return False
-        if self.mid_request or getattr(self.transport, "disconnecting", False):
+        """True while closing the server would cut this open connection short: a request of it is on its way
+        (its headers' or its body's deadline running) or unanswered, its answer is still being written, or it
+        is new (younger than header_timeout_s) and has sent nothing yet."""
+        mid_request = self._header_timer is not None or not self._awaiting_headers
+        if mid_request or getattr(self.transport, "disconnecting", False):
             return True
         return self.requests_begun == 0 and now - self.opened_at < self.site.settings.header_timeout_s
 

@@ -301,7 +301,7 @@ class ServedModel:
         model_batch = worker.loaded.get("max_batch")
         self.queue.set_max_batch(min(self.settings.max_batch_size, model_batch or self.settings.max_batch_size))
         now = time.monotonic()
-        own_s = seconds if worker.reserved_at is None else min(seconds, now - worker.reserved_at)
+        own_s = now - worker.reserved_at  # start_worker set it
         self.loads += 1
         self.last_load_s = own_s
         self.last_load_unix = time.time()
