@@ -72,15 +72,21 @@ def test_the_checker_finds_wrong_boxes_refusals_without_retry_after_and_lost_req
         _record(14.0, status=0, outcome="reset"),
         _record(31.0, status=0, outcome="refused"),  # the port is closed during the stop: allowed
         _record(31.0, protocol="grpc", status=500, grpc="CANCELLED"),  # gRPC core's word at its shutdown: allowed
-        _record(17.0, protocol="grpc", status=500, grpc="CANCELLED"),  # before the stop: a problem
+        # Sent 5 ms before the SIGTERM and answered after it, as in CI: still on its way, so allowed.
+        _record(29.995, protocol="grpc", status=500, grpc="CANCELLED", ms=20.0),
+        _record(17.0, protocol="grpc", status=500, grpc="CANCELLED"),  # answered before the stop: a problem
+        # In a handler at the SIGTERM and cancelled when the 20 s grace ran out: abandoned, a problem.
+        _record(29.0, protocol="grpc", status=500, grpc="CANCELLED", ms=21_000.0),
         _record(15.0, kind="slow-client", case="slowloris", outcome="held-open", closed_after_s=30.0, limit_s=4.0),
         _record(16.0, kind="bad-input", case="wrong-type", status=415, expected=[415, 503]),
     ]
-    problems = chaos_report.check_answers(records, PHASES)
-    assert len(problems) == 6, problems
+    problems = chaos_report.check_answers(records, PHASES, grace_s=20.0)
+    assert len(problems) == 7, problems
     assert [p.split(": ", 1)[1][:12] for p in problems] == [
-        "status 200, ", "503 without ", "status 500 (", "no answer (r", "status 500 (", "a slowloris "]
-    assert "(CANCELLED)" in problems[4]
+        "status 200, ", "503 without ", "status 500 (", "no answer (r", "status 500 (", "status 500 (",
+        "a slowloris "]
+    assert "(CANCELLED)" in problems[4] and "at 17.0 s" in problems[4]
+    assert "(CANCELLED)" in problems[5] and "at 29.0 s" in problems[5]
 
 
 def test_the_checker_wants_requests_in_flight_at_a_kill_answered_200():
