@@ -228,7 +228,12 @@ def test_connections_queued_by_the_kernel_at_sigterm_are_answered_not_reset(blob
     counts = {str(a): answers.count(a) for a in set(answers)}
     assert len(answers) == burst and set(answers) == {503}, counts  # draining: each refused in HTTP, none reset
     log = server.log()
-    assert re.search(rf"port sealed: no new connection completes; {burst} queued by the kernel", log), log[-3000:]
+    # The reactor may accept some of the burst before it runs the SIGTERM (CI: 100, one accept round); at the seal
+    # each connection is either open or still in the kernel's queue.
+    sealed = re.search(r"port sealed: no new connection completes; (\d+) queued by the kernel and (\d+) open", log)
+    assert sealed, log[-3000:]
+    queued, open_ = int(sealed[1]), int(sealed[2])
+    assert queued > 0 and queued + open_ == burst, sealed[0]
     assert "resets" not in log and "Traceback" not in log, log[-3000:]
 
 
