@@ -16,12 +16,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "overhead.py"
 
 
-def test_a_short_run_times_both_sides_by_turns_and_leaves_no_process_behind(tmp_path):
+def run_overhead(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run benchmarks/overhead.py on the shapes model with this interpreter; return it finished (output captured)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(ROOT / "models" / "shapes"), "--blocks", "2",
-                           "--per-block", "3", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240, stdin=subprocess.DEVNULL)
+    return subprocess.run([sys.executable, str(SCRIPT), "--model", str(ROOT / "models" / "shapes"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_a_short_run_times_both_sides_by_turns_and_leaves_no_process_behind(tmp_path):
+    done = run_overhead("--blocks", "2", "--per-block", "3", "--out", str(tmp_path), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("block ") == 2  # progress, a line a block
     result = json.loads((tmp_path / "overhead.json").read_text())
@@ -40,15 +44,11 @@ def test_a_short_run_times_both_sides_by_turns_and_leaves_no_process_behind(tmp_
 
 def test_a_service_that_exits_at_start_is_reported_not_waited_for(tmp_path):
     """A service root whose app exits at once (status 3): the run says so, and fails."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     (tmp_path / "broken" / "app").mkdir(parents=True)
     (tmp_path / "broken" / "app" / "__init__.py").write_text("")
     (tmp_path / "broken" / "app" / "__main__.py").write_text("raise SystemExit(3)\n")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(ROOT / "models" / "shapes"), "--blocks", "1",
-                           "--per-block", "1", "--service-root", str(tmp_path / "broken"),
-                           "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
+    done = run_overhead("--blocks", "1", "--per-block", "1", "--service-root", str(tmp_path / "broken"),
+                        "--out", str(tmp_path / "out"), timeout=120)
     assert done.returncode == 1
     result = json.loads((tmp_path / "out" / "overhead.json").read_text())
     assert result["error"] == "RuntimeError: it exited with status 3"
