@@ -148,7 +148,7 @@ def _setting(default: Any, parse: Callable[[Any], Any], help: str, secret: bool 
 
 
 def _restricted_api(value: Any) -> str:
-    from .http.access import parse_restricted_api
+    from .access import parse_restricted_api
 
     parse_restricted_api(value)  # refuse it at boot; the app parses it again into restrictions
     return str(value).strip()

@@ -90,13 +90,14 @@ def app_factory(blob_registry):
     from app.gpu.report import GpuReport
     from app.hosting.lifecycle import Lifecycle
     from app.http.app import create_app
+    from app.protocol.plane import DataPlane
     from app.settings import Settings
 
     def make(models=None, lifecycle=None, **overrides):
         models = models if models is not None else blob_registry
         settings = Settings(model=str(models.settings.model), **overrides)
         gpu = GpuReport(None, "no NVML in this test", workers=models.workers)
-        return create_app(settings, models, gpu, models.metrics, lifecycle or Lifecycle())
+        return create_app(DataPlane(settings, models, gpu, models.metrics, lifecycle or Lifecycle()))
 
     return make
 

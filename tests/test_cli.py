@@ -61,7 +61,7 @@ def test_every_parser_formats_in_process_without_importing_tensorflow(command):
 def test_version_prints_the_one_version_that_v2_and_the_package_metadata_also_give():
     result = run_app("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"gpu-share-detect {app.__version__}"
-    from app.http.app import server_version
+    from app.protocol.plane import server_version
 
     assert server_version() == app.__version__
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -44,7 +44,7 @@ def test_every_route_falls_in_its_group(path, group):
 
 
 def test_restricted_api_parses_tritons_form():
-    from app.http.access import parse_restricted_api
+    from app.access import parse_restricted_api
 
     parsed = parse_restricted_api(f"model-repository:Admin-Key={SECRET}; metadata,statistics:ops-key=t0ken=x")
     assert [(sorted(r.groups), r.header, r.value) for r in parsed] == [

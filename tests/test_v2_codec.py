@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.errors import BadRequest, BodyTooLarge, DetectError, InvalidBody, UnsupportedContentEncoding
-from app.http.bodies import inflate
-from app.http.v2_codec import (
+from app.protocol.bodies import inflate
+from app.protocol.v2_codec import (
     NUMPY_TYPES, Tensor, parse_infer_request, serialize_bytes, write_infer_response,
 )
 

@@ -1,10 +1,10 @@
-"""What every gRPC call goes through around its servicer: the access rules, the app, one status table, metrics.
+"""What every gRPC call goes through around its servicer: the access rules, its context, one status table, metrics.
 
 Triton's gRPC server applies its restricted-API check to a call's metadata before the handler runs and maps
 every error to one status code; `CallInterceptor` does both for every service on the gRPC port. Servicers
 raise the project's own errors (app.errors) and never abort a call themselves: the interceptor answers
-each with its code from app.errors.GRPC_STATUS and its message. Each call runs in the Flask app's context,
-so the servicers use the same data plane (app/http/dataplane.py) as the HTTP routes.
+each with its code from app.errors.GRPC_STATUS and its message. Each call runs in a request context of its
+own (app/protocol/context.py), as an HTTP request does, over the same data plane (app/protocol/plane.py).
 
 Called in the gRPC server's worker threads; everything here is thread-safe.
 """
@@ -19,10 +19,11 @@ from typing import Optional
 from urllib.parse import unquote
 
 import grpc
-from flask import g
 
+from ..access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, group_refusal
 from ..errors import NotReady, Overloaded, RequestError, grpc_status
-from ..http.access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, group_refusal
+from ..protocol import context as request_context
+from ..protocol.plane import DataPlane
 from ..timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,11 @@ def peer_host(peer: str) -> Optional[str]:
 
 
 class CallInterceptor(grpc.ServerInterceptor):
-    """Check access, run in the app's context, answer errors from GRPC_STATUS, and count every call."""
+    """Check access, run each call in a request context, answer errors from GRPC_STATUS, and count every call."""
 
-    def __init__(self, app):
-        self._app = app
-        self._restrictions = app.extensions["restrictions"]
-        self._metrics = app.extensions["detect"].metrics
+    def __init__(self, plane: DataPlane):
+        self._restrictions = plane.restrictions
+        self._metrics = plane.metrics
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -92,25 +92,26 @@ class CallInterceptor(grpc.ServerInterceptor):
         def guarded(request, context):
             started = time.perf_counter()
             code, message, model = "OK", "", ""
+            token = request_context.begin(Timeline())
             try:
-                with self._app.app_context():
-                    g.timeline = Timeline()
-                    try:
-                        refused = self._refusal(group, headers, context)
-                        if refused is not None:
-                            raise refused
-                        answer = behaviour(request, context)
-                        if "decode" in g.timeline.seconds:  # it ran images: record where the time went
-                            g.timeline.lap("encode")
-                            self._metrics.observe_stages(g.get("model", ""), g.timeline)
-                        return answer
-                    except RequestError as error:
-                        code, message = grpc_status(error), error.message
-                    except Exception:
-                        log.exception("unexpected error in %s", method)
-                        code, message = "INTERNAL", "an internal error occurred; it has been logged"
-                    finally:
-                        model = g.get("model", "")
+                try:
+                    refused = self._refusal(group, headers, context)
+                    if refused is not None:
+                        raise refused
+                    answer = behaviour(request, context)
+                    timeline = request_context.timeline()
+                    if "decode" in timeline.seconds:  # it ran images: record where the time went
+                        timeline.lap("encode")
+                        self._metrics.observe_stages(request_context.model_name(), timeline)
+                    return answer
+                except RequestError as error:
+                    code, message = grpc_status(error), error.message
+                except Exception:
+                    log.exception("unexpected error in %s", method)
+                    code, message = "INTERNAL", "an internal error occurred; it has been logged"
+                finally:
+                    model = request_context.model_name()
+                    request_context.end(token)
                 context.abort(grpc.StatusCode[code], message)
             finally:
                 self._metrics.observe_call(method, code, time.perf_counter() - started, model)

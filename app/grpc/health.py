@@ -14,6 +14,7 @@ import time
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..errors import NotFound
+from ..protocol.plane import DataPlane
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -24,19 +25,17 @@ LIVENESS = "liveness"  # SERVING while the process is up, as /healthz
 class HealthServicer(health_pb2_grpc.HealthServicer):
     """Answer Check and Watch from the live state of the server and its models; called in gRPC worker threads."""
 
-    def __init__(self, service, service_names: tuple[str, ...]):
-        self._service = service  # app.http.app.Service
+    def __init__(self, plane: DataPlane, service_names: tuple[str, ...]):
+        self._plane = plane
         self._names = ("", *service_names)
 
     def status(self, name: str):
         """The status of `name` (the server, a gRPC service, or a model); None for a name that is none of those."""
-        svc = self._service
         if name == LIVENESS:
             return SERVING
         if name in self._names:
-            draining = svc.lifecycle is not None and svc.lifecycle.draining
-            return SERVING if svc.models.ready and not draining else NOT_SERVING
-        model = svc.models.models.get(name) if hasattr(svc.models, "models") else None
+            return SERVING if self._plane.ready() else NOT_SERVING
+        model = self._plane.find_model(name)
         if model is None:
             return None
         if model.state == "ready" or (model.state == "unloaded" and not model.unloaded_by_request):

@@ -1,8 +1,8 @@
 """KServe v2 / Open Inference Protocol over gRPC: `inference.GRPCInferenceService`, as tritonclient.grpc drives it.
 
-A thin servicer over the same data plane and codecs as /v2 (app/http/v2.py): a ModelInferRequest becomes
-the same InferRequest the HTTP route parses, runs through the same admission, queue and batches, and its
-answer is the same tensors, written as raw_output_contents (as Triton writes them). Inputs come as
+A thin servicer over the same data plane and protocol logic as /v2 (app/protocol/v2.py): a ModelInferRequest
+becomes the same InferRequest the HTTP route parses, runs through the same `infer`, admission, queue and
+batches, and its answer is the same tensors, written as raw_output_contents (as Triton writes them). Inputs come as
 `raw_input_contents` (one entry per input, BYTES as 4-byte little-endian lengths and bytes) or typed
 `contents`; every declared shape is checked against the data before anything is allocated from it.
 Methods: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer, and the
@@ -13,20 +13,15 @@ UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/c
 from __future__ import annotations
 
 import numpy as np
-from flask import g
 
 from ..errors import InvalidBody
-from ..http.app import SERVER_NAME, server_version, service
-from ..http.dataplane import requested_model, run_images, served_version, signature_of
-from ..http.models import check_load_parameters, index_rows
-from ..http.v2 import (
-    EXTENSIONS, describe, output_tensors, request_images, request_options, wanted_outputs,
-)
-from ..http.v2_codec import (
+from ..protocol import repository, v2
+from ..protocol.plane import DataPlane
+from ..protocol.v2_codec import (
     DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_requested_output,
     check_shape, check_unique_inputs, element_count, refuse_shared_memory, serialize_bytes,
 )
-from .calls import deadline_of
+from .calls import Admission, deadline_of
 from .protos import grpc_service_pb2 as pb
 from .protos import grpc_service_pb2_grpc as pb_grpc
 from .protos import model_config_pb2
@@ -42,31 +37,27 @@ CONFIG_TYPES = {"UINT8": model_config_pb2.TYPE_UINT8, "FP32": model_config_pb2.T
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """inference.GRPCInferenceService over the model registry; called in gRPC worker threads, in the app's context."""
+    """inference.GRPCInferenceService over the data plane; called in gRPC worker threads."""
 
-    def __init__(self, admission):
+    def __init__(self, plane: DataPlane, admission: Admission):
+        self._plane = plane
         self._admission = admission
 
     def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
     def ServerReady(self, request, context):
-        svc = service()
-        draining = svc.lifecycle is not None and svc.lifecycle.draining
-        return pb.ServerReadyResponse(ready=bool(svc.models.ready and not draining))
+        return pb.ServerReadyResponse(ready=self._plane.ready())
 
     def ModelReady(self, request, context):
         """Ready while the model is loaded; a version it does not serve is not ready (an unknown model: NOT_FOUND)."""
-        model = requested_model(request.name, None)
-        served = request.version in ("", served_version(model))
-        return pb.ModelReadyResponse(ready=served and model.state == "ready")
+        return pb.ModelReadyResponse(ready=v2.model_ready(self._plane.model(request.name), request.version))
 
     def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=list(EXTENSIONS))
+        return pb.ServerMetadataResponse(**v2.server_metadata(self._plane))
 
     def ModelMetadata(self, request, context):
-        model = requested_model(request.name, request.version or None)
-        described = describe(model, signature_of(model, deadline_of(context, service().settings.request_deadline_s)))
+        described = self._described(request, context)
         return pb.ModelMetadataResponse(
             name=described["name"], versions=described["versions"], platform=described["platform"],
             inputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in described["inputs"]],
@@ -74,9 +65,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelConfig(self, request, context):
         """A minimal config, as Triton's for a SavedModel: name, platform, batching, the signature's tensors."""
-        model = requested_model(request.name, request.version or None)
-        settings = service().settings
-        described = describe(model, signature_of(model, deadline_of(context, settings.request_deadline_s)))
+        described = self._described(request, context)
         batched = described["inputs"][0]["shape"][:1] == [-1]
 
         def tensors(kind, entries):
@@ -84,40 +73,38 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                          dims=t["shape"][1:] if batched else t["shape"]) for t in entries]
 
         config = model_config_pb2.ModelConfig(
-            name=model.name, platform=described["platform"],
-            max_batch_size=settings.for_model(model.name).max_batch_size if batched else 0,
+            name=described["name"], platform=described["platform"],
+            max_batch_size=self._plane.settings.for_model(described["name"]).max_batch_size if batched else 0,
             input=tensors(model_config_pb2.ModelInput, described["inputs"]),
             output=tensors(model_config_pb2.ModelOutput, described["outputs"]))
         return pb.ModelConfigResponse(config=config)
 
     def ModelInfer(self, request, context):
-        settings = service().settings
-        model = requested_model(request.model_name, request.model_version or None)
+        plane = self._plane
+        model = plane.model(request.model_name, request.model_version or None)
         parsed = infer_request(request)
-        options = request_options(parsed.parameters, settings)
-        deadline = deadline_of(context, options.timeout_s)
-        with self._admission.admit(model):
-            signature = signature_of(model, deadline)
-            prepare = request_images(parsed, model, signature, settings)
-            wanted = wanted_outputs(parsed, signature)
-            run = run_images(model, prepare, deadline)
-        tensors = output_tensors(run, wanted, model.labels, options)
-        return infer_response(model.name, run.version, parsed.id, [tensor for tensor, _ in tensors])
+        inferred = v2.infer(plane, model, parsed, lambda timeout_s: deadline_of(context, timeout_s),
+                            self._admission.admit)
+        return infer_response(inferred.model_name, inferred.version, inferred.request_id,
+                              [tensor for tensor, _ in inferred.tensors])
 
     def RepositoryIndex(self, request, context):
-        rows = index_rows(service().models, request.ready)
+        rows = repository.index_rows(self._plane, request.ready)
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
 
     def RepositoryModelLoad(self, request, context):
-        check_load_parameters(request.parameters)
-        g.model = request.model_name
-        service().models.load(request.model_name)
+        repository.load(self._plane, request.model_name, request.parameters)
         return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request, context):
-        g.model = request.model_name
-        service().models.unload(request.model_name)
+        repository.unload(self._plane, request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    def _described(self, request, context) -> dict:
+        """The metadata of the model a ModelMetadata or ModelConfig request names."""
+        plane = self._plane
+        model = plane.model(request.name, request.version or None)
+        return v2.model_metadata(plane, model, deadline_of(context, plane.settings.request_deadline_s))
 
 
 # Reading requests and writing answers --------------------------------------------------------------------

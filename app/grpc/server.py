@@ -1,4 +1,4 @@
-"""The gRPC port: one grpc.server beside the HTTP site, in the same process, over the same app and models.
+"""The gRPC port: one grpc.server beside the HTTP site, in the same process, over the same data plane.
 
 Services: KServe v2's inference.GRPCInferenceService (kserve.py), TF Serving's PredictionService and
 ModelService (tfserving.py), grpc.health.v1.Health (health.py) and server reflection, so that grpcurl needs
@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ..protocol.plane import DataPlane
 from .calls import Admission, CallInterceptor
 from .health import HealthServicer
 from .kserve import InferenceServicer
@@ -40,26 +41,26 @@ SERVICE_NAMES = tuple(d.full_name for d in (
 
 
 class GrpcServer:
-    """The gRPC services of one app, on one port; built at boot, bound and started by the composition root."""
+    """The gRPC services over one data plane, on one port; built at boot, bound and started by the composition root."""
 
-    def __init__(self, app, settings):
-        svc = app.extensions["detect"]
-        self.admission = Admission(settings.http_threads, svc.lifecycle)
-        svc.metrics.watch_grpc_in_flight(lambda: self.admission.in_flight)
+    def __init__(self, plane: DataPlane):
+        settings = plane.settings
+        self.admission = Admission(settings.http_threads, plane.lifecycle)
+        plane.metrics.watch_grpc_in_flight(lambda: self.admission.in_flight)
         threads = settings.http_threads + CONTROL_THREADS
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            interceptors=[CallInterceptor(app)], maximum_concurrent_rpcs=threads,
+            interceptors=[CallInterceptor(plane)], maximum_concurrent_rpcs=threads,
             options=[
                 ("grpc.max_receive_message_length", settings.max_body_bytes),
                 # Off: with SO_REUSEPORT (grpc's default on Linux) a second server would share a busy port silently.
                 ("grpc.so_reuseport", 0),
             ])
-        kserve_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.admission), self._server)
+        kserve_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, self.admission), self._server)
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(self.admission), self._server)
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(svc, SERVICE_NAMES), self._server)
+            PredictionServicer(plane, self.admission), self._server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(plane), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(plane, SERVICE_NAMES), self._server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection((*SERVICE_NAMES, health_name, reflection.SERVICE_NAME), self._server)
 

@@ -1,8 +1,8 @@
 """TF Serving's gRPC API: `tensorflow.serving.PredictionService` (Predict, GetModelMetadata) and
 `tensorflow.serving.ModelService` (GetModelStatus), as TF Serving's PredictionServiceStub calls them.
 
-A thin servicer over the same data plane as /v1 (app/http/v1.py): Predict takes the signature's one input
-as a TensorProto, uint8 (or, for a float_image_tensor model, float) pixels [N, H, W, 3], or DT_STRING [N]
+A thin servicer over the same data plane and protocol logic as /v1 (app/protocol/v1.py): Predict takes the
+signature's one input as a TensorProto, uint8 (or, for a float_image_tensor model, float) pixels [N, H, W, 3], or DT_STRING [N]
 encoded image files (what an encoded_image_string_tensor export takes; any model accepts them, decoded by the
 server as /detect decodes), and answers the signature's four outputs as DT_FLOAT tensors, or those
 output_filter names. The messages are TF Serving's own, generated without TensorFlow (app/grpc/protos).
@@ -18,16 +18,12 @@ from typing import Optional
 import numpy as np
 from google.protobuf import json_format
 
-from ..errors import InvalidBody, VersionNotFound
-from ..http.app import service
-from ..http.dataplane import (
-    check_image_count, decode_files, requested_model, run_images, served_version, signature_of, tensor_images,
-)
-from ..http.v1 import version_statuses
-from ..http.v1_codec import SIGNATURE, check_signature_name
-from ..http.v2_codec import MAX_RANK
-from ..inference.detections import stack_outputs
-from .calls import deadline_of
+from ..errors import InvalidBody
+from ..protocol import v1
+from ..protocol.plane import DataPlane, served_version
+from ..protocol.v1_codec import SIGNATURE, check_signature_name
+from ..protocol.v2_codec import MAX_RANK
+from .calls import Admission, deadline_of
 from .protos.tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
 from .protos.tensorflow_serving.apis import (
     get_model_metadata_pb2, get_model_status_pb2, model_pb2, model_service_pb2_grpc, predict_pb2,
@@ -40,42 +36,45 @@ SIGNATURE_DEF = "signature_def"
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    """Predict and GetModelMetadata; called in gRPC worker threads, in the app's context."""
+    """Predict and GetModelMetadata over the data plane; called in gRPC worker threads."""
 
-    def __init__(self, admission):
+    def __init__(self, plane: DataPlane, admission: Admission):
+        self._plane = plane
         self._admission = admission
 
     def Predict(self, request, context):
-        settings = service().settings
+        plane = self._plane
         spec = request.model_spec
-        model = requested_model(spec.name, _version(spec))
+        model = plane.model(spec.name, _version(spec))
         check_signature_name(spec.signature_name)
-        deadline = deadline_of(context, settings.request_deadline_s)
-        with self._admission.admit(model):
-            signature = signature_of(model, deadline)
+        deadline = deadline_of(context, plane.settings.request_deadline_s)
+        wanted = []
+
+        def read_images(signature: dict):
             declared = signature["input"]["name"]
             given = sorted(request.inputs)
             if given != [declared]:
                 raise InvalidBody(f"the request's inputs are {', '.join(repr(n[:40]) for n in given[:5]) or 'none'}; "
                                   f"the signature has one input, {declared!r}")
             names = [out["name"] for out in signature["outputs"]]
-            wanted = _output_filter(list(request.output_filter), names)
-            prepare = _images(request.inputs[declared], model, signature, settings, f"input {declared!r}")
-            run = run_images(model, prepare, deadline)
-        arrays = stack_outputs(run.outputs)
+            wanted.extend(_output_filter(list(request.output_filter), names))
+            return _images(plane, request.inputs[declared], model, signature, f"input {declared!r}")
+
+        run, arrays, _ = v1.predict(plane, model, deadline, read_images, self._admission.admit)
         response = predict_pb2.PredictResponse(model_spec=_spec(model.name, run.version))
         for name in wanted:
             response.outputs[name].CopyFrom(float_tensor(arrays[name]))
         return response
 
     def GetModelMetadata(self, request, context):
+        plane = self._plane
         spec = request.model_spec
-        model = requested_model(spec.name, _version(spec))
+        model = plane.model(spec.name, _version(spec))
         fields = list(request.metadata_field)
         if fields != [SIGNATURE_DEF]:
             raise InvalidBody(f"metadata_field must be [{SIGNATURE_DEF!r}], the one metadata this server has, not "
                               f"{[f[:40] for f in fields[:5]]}")
-        signature_of(model, deadline_of(context, service().settings.request_deadline_s))
+        plane.signature_of(model, deadline_of(context, plane.settings.request_deadline_s))
         signatures = get_model_metadata_pb2.SignatureDefMap()
         json_format.ParseDict({"signature_def": model.signature_defs or {}}, signatures, ignore_unknown_fields=True)
         response = get_model_metadata_pb2.GetModelMetadataResponse(model_spec=_spec(model.name, served_version(model)))
@@ -86,16 +85,14 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     """GetModelStatus: each version loading, served or failed, as TF Serving lists them."""
 
+    def __init__(self, plane: DataPlane):
+        self._plane = plane
+
     def GetModelStatus(self, request, context):
         spec = request.model_spec
-        models = service().models
-        models.get(spec.name)  # NOT_FOUND for an unknown name
-        statuses = version_statuses(models.describe([spec.name])[0])
+        self._plane.models.get(spec.name)  # NOT_FOUND for an unknown name, before the spec's version is read
         version = _version(spec)
-        if version is not None:
-            statuses = [s for s in statuses if s["version"] == version]
-            if not statuses:
-                raise VersionNotFound(f"model {spec.name} has no version {version} that is loading, served or failed")
+        statuses = v1.model_statuses(self._plane, spec.name, version, version)
         State = get_model_status_pb2.ModelVersionStatus.State
         return get_model_status_pb2.GetModelStatusResponse(model_version_status=[
             get_model_status_pb2.ModelVersionStatus(
@@ -144,7 +141,7 @@ def _shape(proto, where: str) -> list[int]:
     return dims
 
 
-def _images(proto, model, signature: dict, settings, where: str):
+def _images(plane: DataPlane, proto, model, signature: dict, where: str):
     """Check the input tensor against the model and the limits; return what decodes its images (after admission)."""
     dims = _shape(proto, where)
     count = math.prod(dims)
@@ -154,8 +151,8 @@ def _images(proto, model, signature: dict, settings, where: str):
         blobs = list(proto.string_val)
         if len(blobs) != count:
             raise InvalidBody(f"{where} has shape {dims} but holds {len(blobs)} strings")
-        check_image_count(len(blobs), settings, where)
-        return lambda: decode_files(blobs, model, settings)
+        plane.check_image_count(len(blobs), where)
+        return lambda: plane.decode_files(blobs, model)
     allowed = (types_pb2.DT_UINT8, types_pb2.DT_FLOAT) if signature["input"]["dtype"] == "float32" \
         else (types_pb2.DT_UINT8,)
     if proto.dtype not in allowed:
@@ -175,7 +172,7 @@ def _images(proto, model, signature: dict, settings, where: str):
         if len(values) != count:
             raise InvalidBody(f"{where} has shape {dims} ({count} elements) but {field} holds {len(values)}")
         batch = np.asarray(values).reshape(dims)
-    images = tensor_images(batch, signature, settings, where)
+    images = plane.tensor_images(batch, signature, where)
     return lambda: images
 
 

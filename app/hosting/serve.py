@@ -117,6 +117,7 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     from ..models.registry import ModelRegistry
     from ..models.repository import ModelRepository
     from ..process import configure_allocator, configure_pillow
+    from ..protocol.plane import DataPlane
     from .lifecycle import Lifecycle
 
     configure_pillow()
@@ -138,13 +139,14 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     registry = ModelRegistry(settings, repository, gpus, metrics=metrics, nvml=nvml)
     registry_box["registry"] = registry
     lifecycle = Lifecycle(settings.notify_fd)
-    app = create_app(settings, registry, gpu, metrics, lifecycle)
+    plane = DataPlane(settings, registry, gpu, metrics, lifecycle)
+    app = create_app(plane)
     site, pools = _site(settings, app, registry, metrics, lifecycle)
     grpc_server = None
     if settings.grpc_port is not None:
         from ..grpc.server import GrpcServer
 
-        grpc_server = GrpcServer(app, settings)
+        grpc_server = GrpcServer(plane)
     return Server(settings, registry, gpu, metrics, lifecycle, site, pools, nvml, grpc_server)
 
 
@@ -251,7 +253,7 @@ def _grpc_tls(settings: Settings) -> Optional[tuple[bytes, bytes]]:
 
 def _log_access(settings: Settings) -> None:
     """Say at boot who may use the control routes, naming the restricted groups and headers, never values."""
-    from ..http.access import MODEL_REPOSITORY, parse_restricted_api
+    from ..access import MODEL_REPOSITORY, parse_restricted_api
 
     restrictions = parse_restricted_api(settings.restricted_api)
     for restriction in restrictions:

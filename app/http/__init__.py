@@ -1,5 +1,5 @@
-"""The HTTP layer: a Flask app (`app.http.app.create_app`) whose routes parse, call the model registry, and serialize.
+"""The HTTP front door: a Flask app (`app.http.app.create_app`) whose routes read requests into calls on the
+data plane (app/protocol) and write the answers, and nothing else.
 
-Importing this package imports no Flask: the settings parse access rules from `app.http.access`, and the
-fleet and the GPU check read settings where the HTTP stack is not installed.
+Importing this package imports no Flask.
 """

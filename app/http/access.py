@@ -1,28 +1,13 @@
-"""Who may use which routes: Triton's restricted-API groups, and the loopback default for the repository.
-
-Every route falls in one group (`route_group`). A `restricted_api` entry, in Triton's
-`--http-restricted-api` form `<group>[,<group>...]:<header>=<value>`, makes its groups answer only
-requests that carry that header with that value; entries are separated by `;`. The model-repository
-group (load, unload, index) changes what the server runs, and a model folder is code, so without an
-entry of its own it answers only requests from loopback addresses. Values are compared in constant
-time and never appear in a message, a log line or a repr.
-"""
+"""Which restricted-API group each HTTP route falls in; the policy itself is app/access.py, shared with gRPC."""
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import re
-from dataclasses import dataclass, field
 from typing import Optional
 
+from ..access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, Restriction, group_refusal
 from ..errors import Forbidden
 from .paths import inference_target
-
-MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH = (
-    "model-repository", "metadata", "statistics", "inference", "health")
-GROUPS = (MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH)
-_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")  # an HTTP token
 
 # Paths by group, after the inference routes (paths.inference_target: /detect, /models/<name>/detect, v2 infer,
 # v1 predict); whatever matches none is metadata (the page, /models, /gpu, model metadata, /openapi.json).
@@ -43,73 +28,7 @@ def route_group(path: str) -> str:
     return METADATA
 
 
-@dataclass(frozen=True)
-class Restriction:
-    """Requests to `groups` must carry `header` with `value` (hidden from repr)."""
-
-    groups: frozenset
-    header: str
-    value: str = field(repr=False)
-
-    def admits(self, headers) -> bool:
-        given = headers.get(self.header)
-        return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
-                                                         self.value.encode("utf-8"))
-
-
-def parse_restricted_api(text) -> tuple[Restriction, ...]:
-    """Parse `group[,group...]:header=value[;...]`; raise ValueError naming the problem, never the value."""
-    restrictions, seen = [], set()
-    for entry in (part.strip() for part in str(text).split(";")):
-        if not entry:
-            continue
-        groups_text, colon, credential = entry.partition(":")
-        header, equals, value = credential.partition("=")
-        groups = {g.strip() for g in groups_text.split(",") if g.strip()}
-        if not colon or not equals or not groups:
-            raise ValueError("each entry must be <group>[,<group>...]:<header>=<value>")
-        unknown = sorted(groups - set(GROUPS))
-        if unknown:
-            raise ValueError(f"unknown group {unknown[0][:40]!r}; groups are {', '.join(GROUPS)}")
-        if not _HEADER_NAME.match(header.strip()):
-            raise ValueError(f"groups {', '.join(sorted(groups))}: the header name must be an HTTP token")
-        if not value:
-            raise ValueError(f"groups {', '.join(sorted(groups))}: the value must not be empty")
-        twice = sorted(groups & seen)
-        if twice:
-            raise ValueError(f"group {twice[0]} is restricted twice")
-        seen |= groups
-        restrictions.append(Restriction(frozenset(groups), header.strip().lower(), value))
-    return tuple(restrictions)
-
-
-def is_loopback(address: Optional[str]) -> bool:
-    try:
-        return ipaddress.ip_address((address or "").split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def refusal(path: str, headers, remote_address: Optional[str],
             restrictions: tuple[Restriction, ...]) -> Optional[Forbidden]:
     """Return why this request may not use its route (a Forbidden to raise), or None if it may."""
     return group_refusal(route_group(path), headers, remote_address, restrictions)
-
-
-def group_refusal(group: str, headers, remote_address: Optional[str],
-                  restrictions: tuple[Restriction, ...]) -> Optional[Forbidden]:
-    """Return why a request to `group` may not run (a Forbidden to raise), or None; `headers` maps lowercase names.
-
-    The gRPC services ask this with the call's metadata as headers, as Triton applies its restricted-API
-    check to gRPC headers.
-    """
-    for restriction in restrictions:
-        if group in restriction.groups:
-            if restriction.admits(headers):
-                return None
-            return Forbidden(f"the {group} routes are restricted: this request lacks the header they require "
-                             f"({restriction.header}) or its value is wrong")
-    if group == MODEL_REPOSITORY and not is_loopback(remote_address):
-        return Forbidden("the model-repository routes (load, unload, index) answer only loopback clients unless "
-                         "restricted_api grants them to a header; see SECURITY.md")
-    return None

@@ -1,47 +1,28 @@
-"""The Flask app factory: the service object the routes share, the error handlers, request metrics."""
+"""The Flask app factory: the routes over one data plane, the error handlers, the request's context and metrics."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
 
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from .. import __version__
 from ..errors import BadRequest, BodyTooLarge, InternalError, MethodNotAllowed, NotFound, RequestError
-from ..metrics import ServiceMetrics
-from ..settings import Settings
+from ..protocol import context
+from ..protocol.plane import DataPlane
 from ..timeline import RECEIVED_KEY, TIMELINE_KEY, Timeline
-from .access import parse_restricted_api, refusal
+from .access import refusal
 from .errors import error_answer
 from .headers import install_headers
 from .paths import protocol_of
+from .plane import EXTENSION, plane
 
 log = logging.getLogger(__name__)
 
-SERVER_NAME = "gpu-share-detect"  # the package's name, as server metadata and the OpenAPI document give it
 
-
-@dataclass
-class Service:
-    """What the routes need, attached to the app as app.extensions['detect'].
-
-    `models` is the model registry (app.models.registry.ModelRegistry, or a stand-in with its
-    interface); `gpu` builds /gpu; `lifecycle` says whether the server is draining.
-    """
-
-    settings: Settings
-    models: Any
-    gpu: Any
-    metrics: ServiceMetrics
-    lifecycle: Any
-
-
-def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics] = None, lifecycle=None) -> Flask:
-    """Build the Flask app around its collaborators; tests pass their own."""
+def create_app(data_plane: DataPlane) -> Flask:
+    """Build the Flask app over the data plane; tests pass their own."""
     from .detect import routes as detect_routes
     from .models import routes as model_routes
     from .openapi import routes as openapi_routes
@@ -51,30 +32,20 @@ def create_app(settings: Settings, models, gpu, metrics: Optional[ServiceMetrics
     from .page import routes as page_routes
 
     app = Flask(__name__, static_folder=None)  # the page serves its own files, by name (app/http/page.py)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = data_plane.settings.max_body_bytes
     app.json.sort_keys = False
-    app.extensions["detect"] = Service(settings, models, gpu, metrics or ServiceMetrics(gpu), lifecycle)
+    app.extensions[EXTENSION] = data_plane
     for blueprint in (detect_routes, model_routes, ops_routes, v2_routes, v1_routes, openapi_routes, page_routes):
         app.register_blueprint(blueprint)
     app.register_error_handler(RequestError, _request_error)
     app.register_error_handler(HTTPException, _http_exception)
     app.register_error_handler(Exception, _unexpected_error)
-    app.extensions["restrictions"] = parse_restricted_api(settings.restricted_api)
     app.before_request(_start_timer)
     app.before_request(_check_access)
     app.after_request(_record_request)
-    install_headers(app, settings.cors_origins)
+    app.teardown_request(_end_context)
+    install_headers(app, data_plane.settings.cors_origins)
     return app
-
-
-def server_version() -> str:
-    """The service's version: app.__version__, which pyproject.toml also reads."""
-    return __version__
-
-
-def service() -> Service:
-    """Return the service of the app handling the current request."""
-    return current_app.extensions["detect"]
 
 
 def error_response(error: RequestError, extra_headers=()) -> Response:
@@ -101,7 +72,7 @@ def _http_exception(error: HTTPException):
         return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.path[:200]}"), allow)
     if status == 413:
         return error_response(BodyTooLarge(
-            f"the request body is over the limit of {service().settings.max_body_bytes} bytes"))
+            f"the request body is over the limit of {plane().settings.max_body_bytes} bytes"))
     if 400 <= status < 500:
         return error_response(BadRequest(error.description or error.name))
     return _unexpected_error(error)
@@ -116,22 +87,29 @@ def _start_timer():
     g.started = time.perf_counter()
     # The I/O thread marks when the body began to arrive (app/hosting/site.py); what came before the
     # handler is the `receive` stage.
-    g.timeline = Timeline(start=request.environ.get(RECEIVED_KEY))
-    g.timeline.lap("receive")
+    timeline = Timeline(start=request.environ.get(RECEIVED_KEY))
+    timeline.lap("receive")
+    g.context_token = context.begin(timeline)
 
 
 def _check_access():
-    refused = refusal(request.path, request.headers, request.remote_addr, current_app.extensions["restrictions"])
+    refused = refusal(request.path, request.headers, request.remote_addr, plane().restrictions)
     if refused is not None:
         raise refused
 
 
 def _record_request(response):
     rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    service().metrics.observe_request(rule, response.status_code, time.perf_counter() - g.get("started", 0.0),
-                                      g.get("model", ""))
-    timeline = g.get("timeline")
+    model = context.model_name()
+    plane().metrics.observe_request(rule, response.status_code, time.perf_counter() - g.get("started", 0.0), model)
+    timeline = context.timeline()
     if timeline is not None and "decode" in timeline.seconds:  # the request ran images: its stages are recorded
         timeline.lap("encode")
-        request.environ[TIMELINE_KEY] = (g.get("model", ""), timeline)  # the I/O thread adds `write`, observes all
+        request.environ[TIMELINE_KEY] = (model, timeline)  # the I/O thread adds `write`, observes all
     return response
+
+
+def _end_context(_error):
+    token = g.pop("context_token", None)
+    if token is not None:
+        context.end(token)

@@ -2,51 +2,45 @@
 
 from __future__ import annotations
 
-import time
-
-from flask import Blueprint, g, jsonify, request
+from flask import Blueprint, jsonify, request
 
 from ..errors import InvalidBody
-from ..inference.detections import to_detections
-from .app import service
-from .dataplane import decode_files, run_images
+from ..protocol import context
+from ..protocol.plane import image_answer
 from .detect_request import RAW_IMAGE_TYPES, check_raw_type, images_from_json, media_type, parse_params
+from .plane import plane
 
 routes = Blueprint("detect", __name__)
 
 
 @routes.post("/detect")
 def detect_default():
-    return _detect(service().models.default())
+    return _detect(plane().default_model())
 
 
 @routes.post("/models/<name>/detect")
 def detect_model(name: str):
-    return _detect(service().models.get(name))
+    return _detect(plane().model(name))
 
 
 def _detect(model):
     """Decode the request's images, run them on `model`, and answer with labelled pixel boxes."""
-    settings = service().settings
-    g.model = model.name
-    deadline = time.monotonic() + settings.request_deadline_s
+    data_plane = plane()
+    settings = data_plane.settings
+    deadline = data_plane.deadline()
     params = parse_params(request.args, settings.default_threshold)
     blobs, plural = _image_blobs(settings.max_images_per_request)
-    run = run_images(model, lambda: decode_files(blobs, model, settings), deadline)
+    run = data_plane.run_images(model, lambda: data_plane.decode_files(blobs, model), deadline)
     timing = {"decode": round(run.decode_s * 1000, 2)}
     if run.load_s > 0:
         timing["load"] = round(run.load_s * 1000, 2)
     timing["inference"] = round(run.inference_s * 1000, 2)
     timing["total"] = round(run.total_s * 1000, 2)
     if params.stages:
-        timing["stages"] = g.timeline.ms()  # up to the answer: `encode` and `write` end after it is built
+        timing["stages"] = context.timeline().ms()  # up to the answer: `encode` and `write` end after it is built
     labels = model.labels
-    answers = [
-        {"width": image.width, "height": image.height,
-         "detections": [d.to_json() for d in to_detections(out, image.width, image.height, labels,
-                                                           params.threshold, params.max_detections)]}
-        for image, out in zip(run.images, run.outputs)
-    ]
+    answers = [image_answer(image, out, labels, params.threshold, params.max_detections)
+               for image, out in zip(run.images, run.outputs)]
     answer_model = {"name": model.name, "version": run.version}
     if len(answers) == 1 and not plural:
         return jsonify({"model": answer_model, **answers[0], "timing_ms": timing})

@@ -9,7 +9,7 @@ from typing import Optional
 
 from ..errors import InvalidBody, InvalidParameter, UnsupportedContentType
 from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT
-from .bodies import decode_base64
+from ..protocol.bodies import decode_base64
 
 __all__ = ["DEFAULT_MAX_DETECTIONS", "MAX_DETECTIONS_LIMIT", "decode_base64"]  # re-exported for the tests
 

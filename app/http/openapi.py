@@ -9,8 +9,9 @@ from __future__ import annotations
 from flask import Blueprint, jsonify
 
 from ..inference.detections import MAX_DETECTIONS_LIMIT
-from .app import SERVER_NAME, server_version, service
-from .v2_codec import DATATYPES, HEADER_LENGTH
+from ..protocol.plane import SERVER_NAME, server_version
+from ..protocol.v2_codec import DATATYPES, HEADER_LENGTH
+from .plane import plane
 
 routes = Blueprint("openapi", __name__)
 
@@ -20,7 +21,7 @@ IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif"
 
 @routes.get("/openapi.json")
 def openapi_document():
-    return jsonify(document(service().models.names(), server_version(), SERVER_NAME))
+    return jsonify(document(plane().models.names(), server_version(), SERVER_NAME))
 
 
 def _ref(name: str) -> dict:

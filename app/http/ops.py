@@ -6,8 +6,8 @@ import math
 
 from flask import Blueprint, Response, jsonify, request
 
-from ..errors import InvalidParameter, NotReady
-from .app import service
+from ..errors import InvalidParameter
+from .plane import plane
 
 routes = Blueprint("ops", __name__)
 
@@ -20,19 +20,17 @@ def healthz():
 @routes.get("/readyz")
 def readyz():
     """200 once every preloaded model has loaded (and none failed), until shutdown begins."""
-    svc = service()
-    if svc.lifecycle is not None and svc.lifecycle.draining:
-        raise NotReady("the server is shutting down")
-    if not svc.models.ready:
-        raise NotReady("the models are loading" if svc.models.boot_failure() is None
-                       else f"a preloaded model failed: {svc.models.boot_failure()}")
+    data_plane = plane()
+    not_ready = data_plane.not_ready()
+    if not_ready is not None:
+        raise not_ready
     return jsonify({"status": "ready", "models": [
-        {"name": m["name"], "version": m["version"], "state": m["state"]} for m in svc.models.describe()]})
+        {"name": m["name"], "version": m["version"], "state": m["state"]} for m in data_plane.models.describe()]})
 
 
 @routes.get("/gpu")
 def gpu():
-    return jsonify(service().gpu.to_json())
+    return jsonify(plane().gpu.to_json())
 
 
 @routes.get("/gpu/history")
@@ -50,9 +48,9 @@ def gpu_history():
         if not math.isfinite(value):
             raise InvalidParameter(f"since must be a unix time in seconds, not {since[:40]!r}")
         since = value
-    return jsonify(service().models.history.to_json(since))
+    return jsonify(plane().models.history.to_json(since))
 
 
 @routes.get("/metrics")
 def metrics():
-    return Response(service().metrics.render(), mimetype="text/plain; version=0.0.4")
+    return Response(plane().metrics.render(), mimetype="text/plain; version=0.0.4")

@@ -1,0 +1,60 @@
+"""The request's context: the model it names and its `Timeline`, whichever front door took it.
+
+Each front door opens a context when a request or call begins and closes it when it ends (app/http/app.py
+in Flask's request hooks, app/grpc/calls.py in its interceptor); the data plane and the protocol logic
+read and write it without knowing which door that was. It lives in a contextvars.ContextVar, so each
+request thread sees its own, as MLServer keeps its request context (mlserver/context.py).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..timeline import Timeline
+
+
+@dataclass
+class RequestContext:
+    """One request's context: written only by the thread running the request."""
+
+    timeline: Timeline = field(default_factory=Timeline)
+    model: str = ""  # the model the request named, for the request metrics ("" before one is named)
+
+
+_current: ContextVar[Optional[RequestContext]] = ContextVar("detect_request", default=None)
+
+
+def begin(timeline: Optional[Timeline] = None) -> Token:
+    """Open a new context for the request starting in this thread; pass the token to `end`."""
+    return _current.set(RequestContext(timeline if timeline is not None else Timeline()))
+
+
+def end(token: Token) -> None:
+    """Close the context `begin` opened."""
+    _current.reset(token)
+
+
+def current() -> Optional[RequestContext]:
+    """The context of the request running in this thread, or None outside one."""
+    return _current.get()
+
+
+def name_model(name: str) -> None:
+    """Record the model the request names (the request metrics' label); no-op outside a request."""
+    context = _current.get()
+    if context is not None:
+        context.model = name
+
+
+def model_name() -> str:
+    """The model the current request named, or ""."""
+    context = _current.get()
+    return context.model if context is not None else ""
+
+
+def timeline() -> Optional[Timeline]:
+    """The current request's timeline, or None outside a request."""
+    context = _current.get()
+    return context.timeline if context is not None else None
