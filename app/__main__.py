@@ -12,7 +12,7 @@ from . import __version__
 COMMANDS = {
     "serve": ("app.hosting.serve", "main", "build_parser", "serve the models over HTTP"),
     "fleet": ("app.fleet.cli", "main", "build_parser", "run several instances on one GPU inside a memory budget"),
-    "calibrate": ("app.gpu.calibrate", "main", "build_parser", "measure a model's GPU memory and recommend a cap"),
+    "calibrate": ("app.fleet.calibrate", "main", "build_parser", "measure a model's GPU memory and recommend a cap"),
     "train": ("app.training.cli", "train_main", "train_parser",
               "train the shapes detector under the GPU memory policy"),
     "export": ("app.training.cli", "export_main", "export_parser", "export the trained shapes detector as a SavedModel"),

@@ -216,7 +216,7 @@ def errors_reference() -> str:
 
 def boot_errors_reference() -> str:
     """The errors that stop a command at boot (exit status 2), and NVML's."""
-    import app.gpu.calibrate  # noqa: F401  (defines CalibrationError)
+    import app.fleet.calibrate  # noqa: F401  (defines CalibrationError)
     from app.errors import DetectError, RequestError
 
     lines = ["| error | code | meaning |", "|---|---|---|"]

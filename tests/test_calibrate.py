@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from app.gpu.calibrate import (
+from app.fleet.calibrate import (
     NEEDS_GPU, CalibrationError, calibrate, main, measure, measured_overhead, recommend_cap, run_phase_in_child,
 )
 from app.fleet.plan import load_fleet

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import ConfigError, DetectError, ModelError, NvmlUnavailable
-from .memory_policy import MemorySpec, apply_policy, parse_memory_spec, tensorflow_memory_info
+from ..gpu.memory_policy import MemorySpec, apply_policy, parse_memory_spec, tensorflow_memory_info
 
 log = logging.getLogger("app.calibrate")
 
@@ -115,7 +115,7 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
     import numpy as np
 
     from ..process import configure_cuda_order
-    from .nvml import Nvml
+    from ..gpu.nvml import Nvml
 
     configure_cuda_order()
     try:
@@ -326,7 +326,7 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..models.repository import resolve_model
-    from .nvml import Nvml
+    from ..gpu.nvml import Nvml
     from ..settings import load_settings
 
     try:
@@ -453,7 +453,7 @@ def write_config(path: Path, rec: Recommendation, model: str) -> str:
           f'{rec.headroom_percent:g}%'
     if "instance" in data:
         text = _write_fleet(path, text, data, cap, rec, model)
-        from ..fleet.plan import parse_fleet
+        from .plan import parse_fleet
 
         parse_fleet(tomllib.loads(text), path)
         written = f"wrote {path}: gpu_memory {rec.cap_mib}MiB for {model}" + (
