@@ -59,9 +59,10 @@ def test_every_http_route_and_method_has_a_successful_exchange(recording):
     from werkzeug.exceptions import HTTPException
 
     from app.http.app import create_app
+    from app.protocol.plane import DataPlane
     from app.settings import Settings
 
-    url_map = create_app(Settings(), models=None, gpu=None).url_map
+    url_map = create_app(DataPlane(Settings(), models=None, gpu=None, metrics=None)).url_map
     adapter = url_map.bind("127.0.0.1")
     answered: dict[tuple[str, str], list[int]] = {}
     for exchange in recording["exchanges"]:
