@@ -5,7 +5,8 @@ gRPC from its method (app/grpc/calls.py), and both ask `group_refusal`. A `restr
 `--http-restricted-api` form `<group>[,<group>...]:<header>=<value>`, makes its groups answer only
 requests that carry that header with that value; entries are separated by `;`. The model-repository
 group (load, unload, index) changes what the server runs, and a model folder is code, so without an
-entry of its own it answers only requests from loopback addresses. Values are compared in constant
+entry of its own it answers only requests from loopback addresses; so does the shared-memory group, whose
+regions only a client on the same host can share. Values are compared in constant
 time and never appear in a message, a log line or a repr.
 """
 
@@ -21,7 +22,9 @@ from .errors import Forbidden
 
 MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH = (
     "model-repository", "metadata", "statistics", "inference", "health")
-GROUPS = (MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH)
+SHARED_MEMORY, MODEL_CONFIG, TRACE, LOGGING = "shared-memory", "model-config", "trace", "logging"
+# Triton's groups, every one: a restriction may name a group whose routes this server does not implement yet.
+GROUPS = (MODEL_REPOSITORY, METADATA, STATISTICS, INFERENCE, HEALTH, SHARED_MEMORY, MODEL_CONFIG, TRACE, LOGGING)
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")  # an HTTP token
 
 
@@ -88,4 +91,7 @@ def group_refusal(group: str, headers, remote_address: Optional[str],
     if group == MODEL_REPOSITORY and not is_loopback(remote_address):
         return Forbidden("the model-repository routes (load, unload, index) answer only loopback clients unless "
                          "restricted_api grants them to a header; see SECURITY.md")
+    if group == SHARED_MEMORY and not is_loopback(remote_address):
+        return Forbidden("the shared-memory routes answer only loopback clients unless restricted_api grants them "
+                         "to a header; see SECURITY.md")
     return None

@@ -11,7 +11,8 @@ DetectError
     ├── BadRequest           400
     │   ├── InvalidParameter     a query parameter is out of range or malformed
     │   ├── InvalidBody          JSON or base64 that does not parse, a missing field
-    │   └── InvalidImage         bytes that do not decode as an image
+    │   ├── InvalidImage         bytes that do not decode as an image
+    │   └── Unimplemented        a protocol extension or method this server does not implement (gRPC UNIMPLEMENTED)
     ├── NotFound             404
     │   ├── ModelNotFound        no model of that name in the repository
     │   └── VersionNotFound      the model does not serve that version
@@ -97,6 +98,13 @@ class InvalidParameter(BadRequest):
     """A query parameter is out of range or malformed."""
 
     code = "invalid_parameter"
+
+
+class Unimplemented(BadRequest):
+    """A protocol extension or method this server does not implement: 400 over HTTP, as Triton answers a
+    disabled extension's routes, and UNIMPLEMENTED over gRPC."""
+
+    code = "not_implemented"
 
 
 class InvalidBody(BadRequest):
@@ -295,6 +303,7 @@ GRPC_STATUS: dict[type[RequestError], str] = {
     Forbidden: "PERMISSION_DENIED",
     NotFound: "NOT_FOUND",
     MethodNotAllowed: "UNIMPLEMENTED",
+    Unimplemented: "UNIMPLEMENTED",
     BodyTooLarge: "RESOURCE_EXHAUSTED",
     PayloadTooLarge: "INVALID_ARGUMENT",
     HeaderTooLarge: "RESOURCE_EXHAUSTED",

@@ -441,6 +441,10 @@ def http_exchanges() -> list[dict]:
         http_exchange("v2 model ready version", "GET", f"/v2/models/{MODEL}/versions/2/ready"),
         http_exchange("v2 model ready version not served", "GET", f"/v2/models/{MODEL}/versions/1/ready"),
         http_exchange("v2 model ready unknown model", "GET", "/v2/models/nope/ready"),
+        http_exchange("v2 model config", "GET", f"/v2/models/{MODEL}/config"),
+        http_exchange("v2 model config version", "GET", f"/v2/models/{MODEL}/versions/2/config"),
+        http_exchange("v2 model config version not served", "GET", f"/v2/models/{MODEL}/versions/1/config"),
+        *unimplemented_http_exchanges(),
         http_exchange("v2 infer json pixels", "POST", f"/v2/models/{MODEL}/infer",
                       _json({"id": "pixels-1", "inputs": [_pixels(batch)]}), JSON),
         http_exchange("v2 infer json files with detections", "POST", f"/v2/models/{MODEL}/versions/2/infer",
@@ -532,6 +536,16 @@ def http_exchanges() -> list[dict]:
         http_exchange("unloaded: repository index", "POST", "/v2/repository/index", b"", {**JSON, **ADMIN}),
         http_exchange("unloaded: readyz", "GET", "/readyz"),
     ]
+
+
+def unimplemented_http_exchanges() -> list[dict]:
+    """Each route of an extension the server lacks, by both methods: 400 naming the extension."""
+    from app.http.v2 import UNIMPLEMENTED_EXTENSIONS
+
+    return [http_exchange(f"extension {extension}: {method} {path}", method,
+                          path.replace("<name>", MODEL).replace("<version>", "2").replace("<region>", "r"),
+                          b"{}" if method == "POST" else None)
+            for extension, paths in UNIMPLEMENTED_EXTENSIONS.items() for path in paths for method in ("GET", "POST")]
 
 
 def _tensor(name="input_tensor", datatype="UINT8", shape=(1, 12, 16, 3), **extra) -> dict:

@@ -78,6 +78,59 @@ def test_model_metadata_and_config_are_the_signature(client):
     assert config["name"] == "blob" and config["input"][0]["data_type"] == "TYPE_UINT8"
 
 
+def test_the_model_config_is_the_one_the_http_route_gives(client, server):
+    """One configuration, two encodings: the gRPC ModelConfig message, read back as JSON, is the HTTP config route's
+    document (protobuf's JSON writes int64 as strings, and leaves out fields at their zero value)."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2
+
+    over_grpc = client.get_model_config("blob").config
+    status, _, over_http = server.request("GET", "/v2/models/blob/config")
+    assert status == 200
+    assert over_grpc == json_format.ParseDict(over_http, model_config_pb2.ModelConfig())
+    assert over_grpc.dynamic_batching.default_queue_policy.max_queue_size > 0 and over_grpc.max_batch_size == 16
+
+
+@pytest.mark.parametrize("method", ["ModelStatistics", "SystemSharedMemoryStatus", "CudaSharedMemoryRegister",
+                                    "TraceSetting", "LogSettings"])
+def test_a_method_the_server_lacks_answers_unimplemented_naming_it(stub, server, method):
+    from tritonclient.grpc import service_pb2
+
+    request = getattr(service_pb2, f"{method}Request")()
+    with pytest.raises(grpc.RpcError) as refused:
+        getattr(stub, method)(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert refused.value.details() == f"inference.GRPCInferenceService/{method} is not implemented by this server"
+    assert "Traceback" not in server.log()
+
+
+def test_tf_serving_classify_answers_unimplemented(tf_channel):
+    from tensorflow_serving.apis import classification_pb2, prediction_service_pb2_grpc
+
+    with pytest.raises(grpc.RpcError) as refused:
+        prediction_service_pb2_grpc.PredictionServiceStub(tf_channel).Classify(
+            classification_pb2.ClassificationRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Classify" in refused.value.details()
+
+
+def test_reserved_and_unused_parameters_pass_and_numbers_may_be_strings(stub, client):
+    """Triton's C++ client adds triton_-prefixed parameters (tritonclient.grpc refuses to send them itself);
+    KServe's gRPC SDK sends numbers as strings."""
+    request = service_pb2.ModelInferRequest(model_name="blob")
+    request.inputs.add(name="image", datatype="BYTES", shape=[1])
+    request.inputs[0].contents.bytes_contents.append(encode(RED_GREEN))
+    request.outputs.add(name="detections")
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    request.parameters["threshold"].string_param = "0.5"
+    request.parameters["max_detections"].string_param = "1"
+    answer = stub.ModelInfer(request, timeout=30)
+    detections = json.loads(answer.raw_output_contents[0][4:])
+    assert len(detections["detections"]) == 1
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("blob", [files_input([encode(RED_GREEN)])], parameters={"threshold": "lots"})
+    assert code_of(refused) == "INVALID_ARGUMENT" and "threshold" in refused.value.message()
+
+
 def test_infer_on_raw_pixels_answers_the_signatures_outputs(client):
     batch = np.stack([RED_GREEN, RED_GREEN[::-1]])
     result = client.infer("blob", [pixels_input(batch)])

@@ -45,7 +45,7 @@ def files_input(files: list[bytes]) -> triton.InferInput:
 
 def test_server_metadata_health_and_readiness(client):
     metadata = client.get_server_metadata()
-    assert {"binary_tensor_data", "model_repository"} <= set(metadata["extensions"])
+    assert {"binary_tensor_data", "model_configuration", "model_repository"} <= set(metadata["extensions"])
     assert metadata["name"] and metadata["version"]
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("blob") and client.is_model_ready("blob", "2")
@@ -128,6 +128,85 @@ def test_bad_infer_requests_get_400_in_the_v2_error_shape(server, payload, fragm
     assert status == 400, body
     assert set(body) == {"error"} and fragment in body["error"]
     assert "Traceback" not in body["error"]
+
+
+def test_the_model_configuration_is_tritons_json_form_with_the_batching_the_server_applies(client, server):
+    config = client.get_model_config("blob")
+    assert config["name"] == "blob" and config["platform"] == "tensorflow_savedmodel"
+    assert config["max_batch_size"] == 16  # the default max_batch_size: the blob model's batch dimension is free
+    assert config["input"] == [{"name": "input_tensor", "data_type": "TYPE_UINT8", "format": "FORMAT_NHWC",
+                                "dims": [-1, -1, 3], "is_shape_tensor": False, "allow_ragged_batch": False,
+                                "optional": False}]
+    outputs = {o["name"]: (o["data_type"], o["dims"]) for o in config["output"]}
+    assert outputs["detection_boxes"][0] == "TYPE_FP32" and outputs["detection_boxes"][1][-1] == 4
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 0
+    assert config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] > 0
+    assert config["instance_group"][0]["count"] == 2  # inference_threads
+    assert client.get_model_config("blob", "2") == config
+    status, _, body = server.request("GET", "/v2/models/blob/versions/1/config")
+    assert status == 404 and "version" in body["error"]
+
+
+@pytest.mark.parametrize("parameters", [
+    {"triton_enable_empty_final_response": True, "triton_anything": "x", "some_backend_option": 3},
+    {"threshold": "0.5", "max_detections": "1", "timeout": "30000000", "priority": "0"},
+])
+def test_parameters_the_server_does_not_use_are_ignored_and_numbers_may_come_as_strings(server, parameters):
+    """Triton's C++ clients add triton_-prefixed parameters (tritonclient.http refuses to send them itself)."""
+    payload = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                           "data": [base64.b64encode(encode(RED_GREEN)).decode()]}],
+               "outputs": [{"name": "detections"}], "parameters": parameters}
+    status, _, body = server.request("POST", "/v2/models/blob/infer", json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})
+    assert status == 200, body
+    answer = json.loads(body["outputs"][0]["data"][0])
+    assert len(answer["detections"]) == (1 if "max_detections" in parameters else 2)
+
+
+@pytest.mark.parametrize("parameters, fragment", [
+    ({"threshold": "half"}, "threshold"), ({"threshold": 2}, "threshold"), ({"threshold": "nan"}, "threshold"),
+    ({"max_detections": "1.5"}, "max_detections"), ({"max_detections": 0}, "max_detections"),
+    ({"timeout": -1}, "timeout"), ({"priority": "high"}, "priority"), ({"sequence_id": 7}, "sequence"),
+])
+def test_parameters_the_server_uses_are_still_checked_naming_them(server, parameters, fragment):
+    payload = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                           "data": [base64.b64encode(encode(BLUE)).decode()]}], "parameters": parameters}
+    status, _, body = server.request("POST", "/v2/models/blob/infer", json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})
+    assert status == 400 and fragment in body["error"], body
+
+
+def test_the_body_may_name_the_model_as_kserves_sdk_does_and_must_agree_with_the_path(server):
+    def infer(**names):
+        payload = {**names, "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                        "data": [base64.b64encode(encode(BLUE)).decode()]}]}
+        return server.request("POST", "/v2/models/blob/infer", json.dumps(payload).encode(),
+                              {"Content-Type": "application/json"})
+
+    status, _, body = infer(model_name="blob", model_version="2")
+    assert status == 200 and body["model_name"] == "blob" and body["model_version"] == "2"
+    status, _, body = infer(model_name="other")
+    assert status == 400 and "'other'" in body["error"] and "'blob'" in body["error"]
+    status, _, body = infer(model_name="blob", model_version="1")
+    assert status == 404 and "version" in body["error"]
+
+
+def test_health_answers_carry_kserves_bodies_and_keep_tritons_statuses(server):
+    assert server.request("GET", "/v2/health/live")[::2] == (200, {"live": True})
+    assert server.request("GET", "/v2/health/ready")[::2] == (200, {"ready": True})
+    assert server.request("GET", "/v2/models/blob/ready")[::2] == (200, {"name": "blob", "ready": True})
+    assert server.request("GET", "/v2/models/blob/versions/1/ready")[0] == 404
+
+
+@pytest.mark.parametrize("method, path, extension", [
+    ("GET", "/v2/models/stats", "statistics"), ("GET", "/v2/models/blob/stats", "statistics"),
+    ("POST", "/v2/systemsharedmemory/region/r/register", "system shared memory"),
+    ("GET", "/v2/cudasharedmemory/status", "CUDA shared memory"), ("POST", "/v2/trace/setting", "trace"),
+    ("GET", "/v2/logging", "logging"),
+])
+def test_an_extension_the_server_lacks_answers_400_naming_it_not_404(server, method, path, extension):
+    status, _, body = server.request(method, path, b"{}" if method == "POST" else None)
+    assert status == 400 and body == {"error": f"the {extension} extension is not implemented by this server"}
 
 
 def test_tritonclient_reports_a_refusal_with_the_servers_message(client):

@@ -20,8 +20,11 @@ from urllib.parse import unquote
 
 import grpc
 
-from ..access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, group_refusal
-from ..errors import NotReady, Overloaded, RequestError, grpc_status
+from ..access import (
+    HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY, SHARED_MEMORY, STATISTICS, TRACE,
+    group_refusal,
+)
+from ..errors import NotReady, Overloaded, RequestError, Unimplemented, grpc_status
 from ..protocol import context as request_context
 from ..protocol.plane import DataPlane
 from ..timeline import Timeline
@@ -42,6 +45,11 @@ METHOD_GROUPS = {
     **{KSERVE + m: MODEL_REPOSITORY for m in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")},
     TF_MODEL + "HandleReloadConfigRequest": MODEL_REPOSITORY,
     KSERVE + "ModelStatistics": STATISTICS,
+    **{KSERVE + f"{kind}SharedMemory{verb}": SHARED_MEMORY
+       for kind in ("System", "Cuda") for verb in ("Status", "Register", "Unregister")},
+    KSERVE + "ModelConfig": MODEL_CONFIG,
+    KSERVE + "TraceSetting": TRACE,
+    KSERVE + "LogSettings": LOGGING,
 }
 
 
@@ -120,12 +128,36 @@ class CallInterceptor(grpc.ServerInterceptor):
 
     def _streaming(self, behaviour, group: str, headers: dict):
         def guarded(request, context):
-            refused = self._refusal(group, headers, context)
-            if refused is not None:
-                context.abort(grpc.StatusCode[grpc_status(refused)], refused.message)
-            yield from behaviour(request, context)
+            try:
+                refused = self._refusal(group, headers, context)
+                if refused is not None:
+                    raise refused
+                yield from behaviour(request, context)
+                return
+            except RequestError as error:
+                code, message = grpc_status(error), error.message
+            except Exception:
+                log.exception("unexpected error in a streaming call")
+                code, message = "INTERNAL", "an internal error occurred; it has been logged"
+            context.abort(grpc.StatusCode[code], message)
 
         return guarded
+
+
+def answer_unimplemented(servicer, base: type, service: str):
+    """Make each method of the generated `base` that `servicer` does not override answer UNIMPLEMENTED naming
+    it (the generated one raises NotImplementedError, which would read as an internal error); return servicer."""
+    for name, member in vars(base).items():
+        if callable(member) and not name.startswith("_") and getattr(type(servicer), name) is member:
+            setattr(servicer, name, _unimplemented(f"{service}/{name}"))
+    return servicer
+
+
+def _unimplemented(method: str):
+    def refuse(request, context):
+        raise Unimplemented(f"{method} is not implemented by this server")
+
+    return refuse
 
 
 class Admission:

@@ -13,6 +13,7 @@ UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/c
 from __future__ import annotations
 
 import numpy as np
+from google.protobuf import json_format
 
 from ..errors import InvalidBody
 from ..protocol import repository, v2
@@ -32,8 +33,6 @@ CONTENTS_FIELDS = {
     "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
     "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
-CONFIG_TYPES = {"UINT8": model_config_pb2.TYPE_UINT8, "FP32": model_config_pb2.TYPE_FP32,
-                "BYTES": model_config_pb2.TYPE_STRING}
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -57,27 +56,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(**v2.server_metadata(self._plane))
 
     def ModelMetadata(self, request, context):
-        described = self._described(request, context)
+        _, described = self._described(request, context)
         return pb.ModelMetadataResponse(
             name=described["name"], versions=described["versions"], platform=described["platform"],
             inputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in described["inputs"]],
             outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in described["outputs"]])
 
     def ModelConfig(self, request, context):
-        """A minimal config, as Triton's for a SavedModel: name, platform, batching, the signature's tensors."""
-        described = self._described(request, context)
-        batched = described["inputs"][0]["shape"][:1] == [-1]
-
-        def tensors(kind, entries):
-            return [kind(name=t["name"], data_type=CONFIG_TYPES.get(t["datatype"], model_config_pb2.TYPE_INVALID),
-                         dims=t["shape"][1:] if batched else t["shape"]) for t in entries]
-
-        config = model_config_pb2.ModelConfig(
-            name=described["name"], platform=described["platform"],
-            max_batch_size=self._plane.settings.for_model(described["name"]).max_batch_size if batched else 0,
-            input=tensors(model_config_pb2.ModelInput, described["inputs"]),
-            output=tensors(model_config_pb2.ModelOutput, described["outputs"]))
-        return pb.ModelConfigResponse(config=config)
+        """The model's configuration as Triton gives it (app/protocol/v2.py's model_config), as a ModelConfig."""
+        model, described = self._described(request, context)
+        config = v2.model_config(self._plane, model, described)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
 
     def ModelInfer(self, request, context):
         plane = self._plane
@@ -100,11 +89,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         repository.unload(self._plane, request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    def _described(self, request, context) -> dict:
-        """The metadata of the model a ModelMetadata or ModelConfig request names."""
+    def _described(self, request, context) -> tuple[object, dict]:
+        """The model a ModelMetadata or ModelConfig request names, and its metadata."""
         plane = self._plane
         model = plane.model(request.name, request.version or None)
-        return v2.model_metadata(plane, model, deadline_of(context, plane.settings.request_deadline_s))
+        return model, v2.model_metadata(plane, model, deadline_of(context, plane.settings.request_deadline_s))
 
 
 # Reading requests and writing answers --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..protocol.plane import DataPlane
-from .calls import Admission, CallInterceptor
+from .calls import Admission, CallInterceptor, answer_unimplemented
 from .health import HealthServicer
 from .kserve import InferenceServicer
 from .protos import grpc_service_pb2
@@ -56,10 +56,14 @@ class GrpcServer:
                 # Off: with SO_REUSEPORT (grpc's default on Linux) a second server would share a busy port silently.
                 ("grpc.so_reuseport", 0),
             ])
-        kserve_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, self.admission), self._server)
-        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(plane, self.admission), self._server)
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(plane), self._server)
+        kserve, prediction, model_service = SERVICE_NAMES
+        kserve_grpc.add_GRPCInferenceServiceServicer_to_server(answer_unimplemented(
+            InferenceServicer(plane, self.admission), kserve_grpc.GRPCInferenceServiceServicer, kserve), self._server)
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(answer_unimplemented(
+            PredictionServicer(plane, self.admission), prediction_service_pb2_grpc.PredictionServiceServicer,
+            prediction), self._server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(answer_unimplemented(
+            ModelServicer(plane), model_service_pb2_grpc.ModelServiceServicer, model_service), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(plane, SERVICE_NAMES), self._server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection((*SERVICE_NAMES, health_name, reflection.SERVICE_NAME), self._server)

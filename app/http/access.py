@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from ..access import HEALTH, INFERENCE, METADATA, MODEL_REPOSITORY, STATISTICS, Restriction, group_refusal
+from ..access import (
+    HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY, SHARED_MEMORY, STATISTICS, TRACE, Restriction,
+    group_refusal,
+)
 from ..errors import Forbidden
 from .paths import inference_target
 
@@ -13,7 +16,11 @@ from .paths import inference_target
 # v1 predict); whatever matches none is metadata (the page, /models, /gpu, model metadata, /openapi.json).
 _GROUP_PATTERNS = (
     (MODEL_REPOSITORY, re.compile(r"^/v2/repository(/|$)")),
-    (STATISTICS, re.compile(r"^/metrics$")),
+    (STATISTICS, re.compile(r"^/metrics$|^/v2/models/stats$|^/v2/models/[^/]+(/versions/[^/]+)?/stats$")),
+    (SHARED_MEMORY, re.compile(r"^/v2/(system|cuda)sharedmemory(/|$)")),
+    (MODEL_CONFIG, re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/config$")),
+    (TRACE, re.compile(r"^/v2(/models/[^/]+)?/trace/setting$")),
+    (LOGGING, re.compile(r"^/v2/logging$")),
     (HEALTH, re.compile(r"^/(healthz|readyz)$|^/v2/health/(live|ready)$|^/v2/models/[^/]+(/versions/[^/]+)?/ready$")),
 )
 

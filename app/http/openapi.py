@@ -196,7 +196,13 @@ def document(model_names: list[str], version: str, title: str) -> dict:
             "oneOf": [{"required": ["image"]}, {"required": ["images"]}]}}}}
     detect = {"tags": ["detect"], "parameters": query, "requestBody": detect_body,
               "responses": {"200": _json(_ref("DetectAnswer"), "labelled boxes in pixels"), **detect_errors}}
-    empty_ok = {"200": _empty("yes (empty body)"), "400": _empty("no (empty body)")}
+    def health(key: str, name: bool = False) -> dict:
+        body = {"type": "object", "required": [key], "properties": {
+            key: {"type": "boolean"}, **({"name": {"type": "string"}} if name else {})}}
+        return {"200": _json(body, f"{key}: true"), "400": _json(body, f"{key}: false")}
+
+    config = _json({"type": "object", "required": ["name", "platform", "max_batch_size", "input", "output"]},
+                   "Triton's model configuration, in its JSON form")
 
     def v2_get(summary: str, ok: dict, params: list, errors: bool = True) -> dict:
         responses = {"200": ok, **(v2_errors if errors else {})}
@@ -271,16 +277,18 @@ def document(model_names: list[str], version: str, title: str) -> dict:
                                   "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
         "/v2": v2_get("server metadata", _json(_ref("ServerMetadata"), "name, version, extensions"), [],
                       errors=False),
-        "/v2/health/live": v2_get("liveness", empty_ok["200"], [], errors=False),
-        "/v2/health/ready": {"get": {"tags": ["v2"], "summary": "readiness", "responses": empty_ok}},
+        "/v2/health/live": v2_get("liveness", health("live")["200"], [], errors=False),
+        "/v2/health/ready": {"get": {"tags": ["v2"], "summary": "readiness", "responses": health("ready")}},
         "/v2/models/{name}": v2_get("model metadata", _json(_ref("ModelMetadata"), "the signature"), [name]),
         "/v2/models/{name}/versions/{version}": v2_get(
             "model metadata", _json(_ref("ModelMetadata"), "the signature"), [name, version_param]),
         "/v2/models/{name}/ready": {"get": {"tags": ["v2"], "summary": "model readiness", "parameters": [name],
-                                            "responses": {**v2_errors, **empty_ok}}},
+                                            "responses": {**v2_errors, **health("ready", name=True)}}},
         "/v2/models/{name}/versions/{version}/ready": {"get": {
             "tags": ["v2"], "summary": "model readiness", "parameters": [name, version_param],
-            "responses": {**v2_errors, **empty_ok}}},
+            "responses": {**v2_errors, **health("ready", name=True)}}},
+        "/v2/models/{name}/config": v2_get("model configuration", config, [name]),
+        "/v2/models/{name}/versions/{version}/config": v2_get("model configuration", config, [name, version_param]),
         "/v2/models/{name}/infer": {"post": {**infer["post"], "parameters": [name, *infer_params]}},
         "/v2/models/{name}/versions/{version}/infer": {"post": {
             **infer["post"], "parameters": [name, version_param, *infer_params]}},

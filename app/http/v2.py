@@ -3,7 +3,8 @@
 Routes: GET /v2 (server metadata), /v2/health/live, /v2/health/ready, /v2/models/<name>[/versions/<v>]
 (model metadata), .../ready, and POST .../infer. One version of a model is served at a time: a path naming
 another version answers 404. Errors are `{"error": "<message>"}` with Triton's status codes; the health and
-readiness routes answer 200 or 400 with an empty body. The protocol's logic (inputs, outputs, parameters,
+readiness routes answer 200 or 400 (the protocol's rule, which Triton's clients read) with a body as KServe's
+server writes it (`{"live": true}`, `{"ready": ...}`, `{"name": ..., "ready": ...}`, which KServe's SDK reads). The protocol's logic (inputs, outputs, parameters,
 metadata) is app/protocol/v2.py, shared with gRPC; this module reads the HTTP request and writes the answer
 (JSON, or Triton's binary tensor extension, app/protocol/v2_codec.py).
 """
@@ -14,6 +15,7 @@ from typing import Optional
 
 from flask import Blueprint, Response, jsonify, request
 
+from ..errors import Unimplemented
 from ..protocol import v2
 from ..protocol.bodies import inflate
 from ..protocol.v2_codec import HEADER_LENGTH, parse_infer_request, write_infer_response
@@ -29,13 +31,14 @@ def server_metadata():
 
 @routes.get("/v2/health/live")
 def live():
-    return _empty(200)
+    return jsonify({"live": True})
 
 
 @routes.get("/v2/health/ready")
 def ready():
     """200 once every preloaded model has loaded (and none failed), until shutdown begins; else 400."""
-    return _empty(200 if plane().ready() else 400)
+    ready = plane().ready()
+    return jsonify({"ready": ready}), 200 if ready else 400
 
 
 @routes.get("/v2/models/<name>")
@@ -47,11 +50,22 @@ def model_metadata(name: str, version: Optional[str] = None):
     return jsonify(v2.model_metadata(data_plane, model, data_plane.deadline()))
 
 
+@routes.get("/v2/models/<name>/config")
+@routes.get("/v2/models/<name>/versions/<version>/config")
+def model_config(name: str, version: Optional[str] = None):
+    """The model's configuration in Triton's JSON form, as tritonclient's get_model_config and perf_analyzer read it."""
+    data_plane = plane()
+    model = data_plane.model(name, version)
+    return jsonify(v2.model_config(data_plane, model, v2.model_metadata(data_plane, model, data_plane.deadline())))
+
+
 @routes.get("/v2/models/<name>/ready")
 @routes.get("/v2/models/<name>/versions/<version>/ready")
 def model_ready(name: str, version: Optional[str] = None):
     """200 while the model is loaded and ready; 400 while it is unloaded, loading, unloading or failed."""
-    return _empty(200 if v2.model_ready(plane().model(name, version)) else 400)
+    model = plane().model(name, version)
+    ready = v2.model_ready(model)
+    return jsonify({"name": model.name, "ready": ready}), 200 if ready else 400
 
 
 @routes.post("/v2/models/<name>/infer")
@@ -62,6 +76,9 @@ def infer(name: str, version: Optional[str] = None):
     body = inflate(request.get_data(cache=False), request.headers.get("Content-Encoding"),
                    data_plane.settings.max_body_bytes)
     parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+    wanted_version = v2.check_named_model(parsed, name, version)
+    if wanted_version != version:
+        data_plane.model(name, wanted_version)  # 404 for a version the body names that is not served
     inferred = v2.infer(data_plane, model, parsed, data_plane.deadline)
     answer, header_length = write_infer_response(inferred.model_name, inferred.version, inferred.request_id,
                                                  inferred.tensors)
@@ -74,7 +91,27 @@ def infer(name: str, version: Optional[str] = None):
     return response
 
 
-def _empty(status: int) -> Response:
-    response = Response(status=status)
-    del response.headers["Content-Type"]
-    return response
+# Triton's extensions this server does not implement: each route answers 400 naming its extension, as Triton
+# answers the routes of an extension it was started without, and never 404 "no route".
+UNIMPLEMENTED_EXTENSIONS = {
+    "statistics": ("/v2/models/stats", "/v2/models/<name>/stats", "/v2/models/<name>/versions/<version>/stats"),
+    "system shared memory": tuple(f"/v2/systemsharedmemory{region}/{verb}" for region in ("", "/region/<region>")
+                                  for verb in ("status", "register", "unregister")),
+    "CUDA shared memory": tuple(f"/v2/cudasharedmemory{region}/{verb}" for region in ("", "/region/<region>")
+                                for verb in ("status", "register", "unregister")),
+    "trace": ("/v2/trace/setting", "/v2/models/<name>/trace/setting"),
+    "logging": ("/v2/logging",),
+}
+
+
+def _refuse_extension(extension: str):
+    def refuse(**_path):
+        raise Unimplemented(f"the {extension} extension is not implemented by this server")
+
+    return refuse
+
+
+for _extension, _paths in UNIMPLEMENTED_EXTENSIONS.items():
+    for _path in _paths:
+        routes.add_url_rule(_path, endpoint=f"unimplemented {_path}", view_func=_refuse_extension(_extension),
+                            methods=["GET", "POST"])

@@ -31,7 +31,7 @@ from .bodies import decode_base64
 from .plane import DataPlane, Run, image_answer, served_version
 from .v2_codec import InferRequest, Tensor
 
-EXTENSIONS = ("binary_tensor_data", "model_repository", "parameters")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "parameters")
 PLATFORM = "tensorflow_savedmodel"
 IMAGE_INPUT = "image"
 DETECTIONS_OUTPUT = "detections"
@@ -69,6 +69,46 @@ def describe(model, signature: dict) -> dict:
                                               "threshold and max_detections"}],
         },
     }
+
+
+# The protocol's datatypes as Triton's model configuration names them.
+CONFIG_TYPES = {"UINT8": "TYPE_UINT8", "FP32": "TYPE_FP32", "BYTES": "TYPE_STRING"}
+
+
+def model_config(plane: DataPlane, model, described: dict) -> dict:
+    """The model's configuration in Triton's JSON form (what its HTTP config route and, as a ModelConfig
+    message, its gRPC ModelConfig answer): the tensors from the signature, and the batching, queue and
+    concurrency the server applies to it, from the model's settings."""
+    settings = plane.settings.for_model(model.name)
+    batched = described["inputs"][0]["shape"][:1] == [-1]
+
+    def tensors(entries: list[dict], extra: dict) -> list[dict]:
+        return [{"name": t["name"], "data_type": CONFIG_TYPES.get(t["datatype"], "TYPE_INVALID"),
+                 "dims": t["shape"][1:] if batched else t["shape"], **extra} for t in entries]
+
+    config = {
+        "name": model.name, "platform": PLATFORM, "backend": "tensorflow",
+        "version_policy": {"latest": {"num_versions": 1}},  # the highest version on disk, one at a time
+        "max_batch_size": settings.max_batch_size if batched else 0,
+        "input": tensors(described["inputs"], {"format": "FORMAT_NHWC" if batched else "FORMAT_NONE",
+                                               "is_shape_tensor": False, "allow_ragged_batch": False,
+                                               "optional": False}),
+        "output": tensors(described["outputs"], {"label_filename": "", "is_shape_tensor": False}),
+        # One model call runs at a time per inference thread, in the model's one worker process.
+        "instance_group": [{"name": model.name, "kind": "KIND_MODEL", "count": settings.inference_threads,
+                            "gpus": list(settings.gpus or ())}],
+    }
+    if batched:
+        config["dynamic_batching"] = {
+            # No preferred sizes: a batch takes all the queue holds, up to max_batch_size, as Triton does without them.
+            "preferred_batch_size": [],
+            "max_queue_delay_microseconds": round(settings.max_batch_delay_ms * 1000),
+            "preserve_ordering": False,
+            "default_queue_policy": {"timeout_action": "REJECT", "max_queue_size": settings.max_queue,
+                                     "default_timeout_microseconds": round(plane.settings.request_deadline_s * 1e6),
+                                     "allow_timeout_override": True},
+        }
+    return config
 
 
 def model_metadata(plane: DataPlane, model, deadline: float) -> dict:
@@ -120,32 +160,60 @@ def infer(plane: DataPlane, model, parsed: InferRequest, deadline_within: Callab
     return Inferred(model.name, run.version, parsed.id, output_tensors(run, wanted, model.labels, options))
 
 
+def check_named_model(parsed: InferRequest, name: str, version: Optional[str]) -> Optional[str]:
+    """Check the model the body names against the one the path names (KServe's SDK repeats it in the body);
+    return the version to serve: the path's, else the body's."""
+    if parsed.model_name is not None and parsed.model_name != name:
+        raise InvalidBody(f"the body names model {parsed.model_name[:100]!r} but the path names {name[:100]!r}")
+    if parsed.model_version is not None and version is not None and parsed.model_version != version:
+        raise InvalidBody(f"the body names version {parsed.model_version[:40]!r} but the path names {version[:40]!r}")
+    return version if version is not None else parsed.model_version
+
+
 def request_options(parameters: dict, settings) -> InferOptions:
-    """Read the request's parameters: threshold, max_detections, Triton's timeout (microseconds) and priority."""
-    known = {"threshold", "max_detections", "timeout", "priority"}
-    for key in parameters:
-        if key in SEQUENCE_PARAMETERS:
+    """Read the request's parameters as Triton treats them: those this server uses are checked (threshold,
+    max_detections, Triton's timeout in microseconds, priority), and a wrong value is refused naming it;
+    any other is accepted and ignored, as Triton passes it on to a backend that may not read it (its
+    clients add `triton_`-prefixed ones). A number may come as a string holding one (KServe's gRPC SDK
+    can send no float)."""
+    for key in SEQUENCE_PARAMETERS:
+        if parameters.get(key) not in (None, 0, "", False):
             raise BadRequest("sequence batching is not implemented: every request stands alone; drop sequence_id")
-        if key not in known:
-            raise InvalidParameter(f"unknown request parameter {key[:40]!r}; this server takes "
-                                   f"{', '.join(sorted(known))}")
-    threshold = parameters.get("threshold", settings.default_threshold)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+    threshold = _number(parameters, "threshold", settings.default_threshold, float)
+    if not 0.0 <= threshold <= 1.0:
         raise InvalidParameter(f"the parameter threshold must be a number from 0 to 1, not {threshold!r:.40}")
-    limit = parameters.get("max_detections", DEFAULT_MAX_DETECTIONS)
-    if type(limit) is not int or not 1 <= limit <= MAX_DETECTIONS_LIMIT:
+    limit = _number(parameters, "max_detections", DEFAULT_MAX_DETECTIONS, int)
+    if not 1 <= limit <= MAX_DETECTIONS_LIMIT:
         raise InvalidParameter(f"the parameter max_detections must be an integer from 1 to {MAX_DETECTIONS_LIMIT}, "
                                f"not {limit!r:.40}")
     timeout_s = settings.request_deadline_s
-    if "timeout" in parameters:
-        timeout = parameters["timeout"]
-        if type(timeout) is not int or timeout < 0:
-            raise InvalidParameter("the parameter timeout must be a whole number of microseconds")
-        if timeout > 0:
-            timeout_s = min(timeout_s, timeout / 1e6)
-    if "priority" in parameters and type(parameters["priority"]) is not int:
-        raise InvalidParameter("the parameter priority must be an integer")
+    timeout = _number(parameters, "timeout", 0, int)
+    if timeout < 0:
+        raise InvalidParameter("the parameter timeout must be a whole number of microseconds")
+    if timeout > 0:
+        timeout_s = min(timeout_s, timeout / 1e6)
+    _number(parameters, "priority", 0, int)
     return InferOptions(float(threshold), limit, timeout_s)
+
+
+_REFUSALS = {"threshold": "a number from 0 to 1", "max_detections": f"an integer from 1 to {MAX_DETECTIONS_LIMIT}",
+             "timeout": "a whole number of microseconds", "priority": "an integer"}
+
+
+def _number(parameters: dict, key: str, default, kind: type):
+    """The parameter `key` as `kind` (int or float), from a number or a string holding one; `default` if absent."""
+    value = parameters.get(key, default)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and type(value) is not int):
+        raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}")
+    if kind is float and value != value:  # NaN
+        raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}")
+    return value
 
 
 def request_images(plane: DataPlane, parsed: InferRequest, model,

@@ -68,6 +68,8 @@ class InferRequest:
     binary_output: bool  # the request's binary_data_output (or a raw request): outputs' default
     parameters: dict
     raw: Optional[bytes] = None
+    model_name: Optional[str] = None  # as the body names it (KServe's SDK sends it); the URL's must agree
+    model_version: Optional[str] = None
 
 
 def element_count(shape: Sequence[int]) -> int:
@@ -83,10 +85,13 @@ def parse_infer_request(body: bytes, header_length: Optional[str]) -> InferReque
     head = body if length is None else body[:length]
     binary = b"" if length is None else memoryview(body)[length:]
     document = json_object(bytes(head), "the JSON inference header")
-    _only_keys(document, ("id", "parameters", "inputs", "outputs"), "the request")
+    _only_keys(document, ("id", "model_name", "model_version", "parameters", "inputs", "outputs"), "the request")
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidBody("'id' must be a string")
+    for key in ("model_name", "model_version"):
+        if document.get(key) is not None and not isinstance(document[key], str):
+            raise InvalidBody(f"'{key}' must be a string")
     parameters = _parameters(document.get("parameters"), "the request")
     binary_output = parameters.pop("binary_data_output", False)
     if not isinstance(binary_output, bool):
@@ -104,7 +109,8 @@ def parse_infer_request(body: bytes, header_length: Optional[str]) -> InferReque
                           f"(the inputs' binary_data_size add up to {offset}, and {len(binary)} follow the header)")
     check_unique_inputs(inputs)
     outputs = _requested_outputs(document.get("outputs"))
-    return InferRequest(request_id, tuple(inputs), outputs, binary_output, parameters)
+    return InferRequest(request_id, tuple(inputs), outputs, binary_output, parameters,
+                        model_name=document.get("model_name"), model_version=document.get("model_version") or None)
 
 
 def _header_length(value: Optional[str], body_length: int) -> Optional[int]:
