@@ -13,14 +13,10 @@ model call.
 import argparse
 import base64
 import json
-import sys
-from pathlib import Path
-
 import kserve
 from kserve import ModelServer, model_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Model  # noqa: E402  (benchmarks/peers/common.py, the same work for every peer)
+from benchmarks.peers.common import Model  # the same work for every peer (PYTHONPATH: the repository's root)
 
 
 class Detector(kserve.Model):

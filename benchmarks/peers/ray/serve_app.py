@@ -17,7 +17,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from common import Model  # benchmarks/peers/common.py (on PYTHONPATH, for Ray's workers too)
+from benchmarks.peers.common import Model  # PYTHONPATH: the repository's root, for Ray's workers too
 
 MAX_BATCH_SIZE = 16
 BATCH_WAIT_TIMEOUT_S = 0.005
