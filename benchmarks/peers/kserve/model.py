@@ -7,7 +7,8 @@ carry a JPEG: it decodes every BYTES element as UTF-8 and answers 500.) KServe's
 batcher of its own (KServe's batcher is a sidecar of its Kubernetes deployment), so each request is one
 model call.
 
-    python model.py --model_name shapes --model_dir models/shapes --http_port 8080 --enable_grpc false
+    PYTHONPATH=. python benchmarks/peers/kserve/model.py --model_name shapes --model_dir models/shapes
+        --http_port 8080 --enable_grpc false     (one line; from the repository's root, in the kserve venv)
 """
 
 import argparse

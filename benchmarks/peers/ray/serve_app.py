@@ -5,7 +5,8 @@ Ray Serve's docs recommend for batching: an async batch method with `@serve.batc
 batch_wait_timeout_s=0.005)`, called once per request. `max_ongoing_requests` is raised from its default
 of 5 to 64, or a batch could never hold more than 5 images and requests would queue in the proxy.
 
-    python serve_app.py --model models/shapes --port 8000     (runs until SIGTERM or SIGINT)
+    PYTHONPATH=. python benchmarks/peers/ray/serve_app.py --model models/shapes --port 8000
+        (from the repository's root, in the ray venv; runs until SIGTERM or SIGINT)
 """
 
 import argparse
