@@ -14,7 +14,7 @@ holds a core) and gRPC off. Writes overhead.json and overhead.md: the p50 of eve
 client's round trip and of the in-process decode, call and both; the service's overhead is the round
 trip's p50 less the in-process decode and call's.
 
-    .venv/bin/python benchmarks/overhead.py [--model models/objects] [--images auto|scenes|photos]
+    .venv/bin/python -m benchmarks.overhead [--model models/objects] [--images auto|scenes|photos]
         [--blocks 10] [--per-block 20] [--spares 0] [--out out/overhead]
 """
 
@@ -31,16 +31,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE / "peers"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import proctree  # noqa: E402  (benchmarks/peers is not a package)
-from bench import load_average, make_images  # noqa: E402
-from loadgen import read_bodies  # noqa: E402
-import systems  # noqa: E402
-from run import photo_images, wait_ready  # noqa: E402
+from benchmarks.peers import proctree, systems
+from benchmarks.peers.compare import photo_images, wait_ready
+from tools import ROOT
+from tools.images import make_images
+from tools.loadgen import read_bodies
+from tools.samplers import load_average
 
 
 class InProcess:
@@ -147,7 +143,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "objects", help="model base path")
     parser.add_argument("--images", choices=("auto", "scenes", "photos"), default="auto",
                         help="generated scenes of shapes, or the peer benchmark's photos (auto: scenes for the "

@@ -10,7 +10,7 @@ process tree (benchmarks/peers/proctree.py, RSS and PSS):
 - the crash: from `kill -9` of the model's worker to its first answer again (`restart_backoff_s = 0`, so the
   figure is the restart itself; the default adds a 1 s delay before the first restart).
 
-    .venv/bin/python benchmarks/spare.py [--models shapes,objects] [--spares 0,1,2] [--out out/spare]
+    .venv/bin/python -m benchmarks.spare [--models shapes,objects] [--spares 0,1,2] [--out out/spare]
 
 Writes spare.json and spare.md; every row carries the load average taken with it (the machine is shared).
 """
@@ -29,14 +29,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE / "peers"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import proctree  # noqa: E402  (benchmarks/peers is not a package)
-from bench import load_average, make_images  # noqa: E402
-from systems import free_port, spares_ready  # noqa: E402
+from benchmarks.peers import proctree
+from benchmarks.peers.systems import free_port, spares_ready
+from tools import ROOT
+from tools.images import make_images
+from tools.samplers import load_average
 
 TIMEOUT_S = 300.0
 
@@ -142,7 +139,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.spare", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="shapes,objects", help="names under models/")
     parser.add_argument("--spares", default="0,1,2", help="spare_workers counts")
     parser.add_argument("--service-root", type=Path, default=ROOT, help="the checkout to run (default: this one)")

@@ -18,5 +18,5 @@ ensure_parity() {
     (cd "$parity" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >/dev/null)
     echo "$want" > "$stamp"
   fi
-  "$VENV/bin/python" "$ROOT/scripts/export_objects.py" --fetch-only >/dev/null
+  (cd "$ROOT" && "$VENV/bin/python" -m tools.export.objects --fetch-only >/dev/null)
 }

@@ -1,4 +1,4 @@
-"""A stand-in for scripts/gpu_holder.py on this GPU-less machine: the same flags and the same protocol.
+"""A stand-in for tools/gpu_check/holder.py on this GPU-less machine: the same flags and the same protocol.
 
 It "holds" GPU memory by writing the MiB it would use (its allocation plus FAKE_CONTEXT_MIB) to
 FAKE_GPU_DIR/<pid>, which the tests' NVML stand-in lists as a compute process on GPU 0; "libs" adds

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from tools.chaos import report as chaos_report
+from tools.chaos import run as chaos
+from tools.chaos import traffic as chaos_traffic
 
-import chaos  # noqa: E402
-import chaos_report  # noqa: E402
-import chaos_traffic  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SEED = 28
 
@@ -29,7 +28,7 @@ SEED = 28
 def test_a_two_minute_chaos_run_keeps_every_promise(tmp_path):
     out = tmp_path / "chaos"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--duration", "120", "--seed",
+    done = subprocess.run([sys.executable, "-m", "tools.chaos", "--duration", "120", "--seed",
                            str(SEED), "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, stdin=subprocess.DEVNULL)
     summary = done.stdout + done.stderr[-4000:]

@@ -14,10 +14,7 @@ from conftest import ROOT
 import app
 from app.__main__ import COMMANDS, parser_of
 from app.settings import default_text, env_name, flag_name, setting_fields
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from settings_table import missing_from_config, settings_table  # noqa: E402
+from tools.docs.settings_table import missing_from_config, settings_table
 
 
 def run_app(*args: str) -> subprocess.CompletedProcess:

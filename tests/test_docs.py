@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -24,9 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, start_server
 
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import docs_hooks  # noqa: E402
+from tools.docs import hooks as docs_hooks
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"^<!-- test: run(?P<options>[^>]*) -->\n```(?P<lang>\w*)\n(?P<body>.*?)^```$",
@@ -179,17 +177,17 @@ def test_every_list_starts_after_a_blank_line():
 # The site -----------------------------------------------------------------------------------------------------
 
 
-def mkdocs() -> str:
-    found = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
-    if found is None:
+def mkdocs() -> list[str]:
+    """MkDocs as `python -m mkdocs`, run from the root: the hooks import this checkout's `tools` and `app`."""
+    if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed: pip install -e '.[docs]' (scripts/test installs it)")
-    return found
+    return [sys.executable, "-m", "mkdocs"]
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    result = subprocess.run([mkdocs(), "build", "--strict", "--site-dir", str(out)], cwd=ROOT, capture_output=True,
+    result = subprocess.run([*mkdocs(), "build", "--strict", "--site-dir", str(out)], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     return out

@@ -1,4 +1,4 @@
-"""The committed face detector (models/faces, exported by scripts/export_faces.py) against mtcnn itself."""
+"""The committed face detector (models/faces, exported by tools/export/faces.py) against mtcnn itself."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """scripts/gpu-check: its no-GPU exit, each check's judgement, and a whole run against a stand-in GPU.
 
-The stand-in GPU is tests/fake_nvml.py behind app/nvml.py, whose GPU 0 lists the processes of
+The stand-in GPU is tests/fake_nvml.py behind app/gpu/nvml.py, whose GPU 0 lists the processes of
 tests/fake_gpu_holder.py (the holder protocol without CUDA). The real run needs an NVIDIA GPU.
 """
 
@@ -19,14 +19,12 @@ from app.fleet.plan import load_fleet, make_plan
 from app.gpu.budget import Gpu
 from app.gpu.nvml import Nvml
 from app.gpu.report import GpuReport
+from tools.gpu_check import checks as gpu_check
+from tools.gpu_check.checks import FAIL, PASS, SKIP, WARN, Named
 
 from fake_nvml import FakeNvml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import gpu_check  # noqa: E402
-from gpu_check import FAIL, PASS, SKIP, WARN, Named  # noqa: E402
 
 FAKE_HOLDER = Path(__file__).resolve().parent / "fake_gpu_holder.py"
 BYSTANDER = 4242  # another user's process, on the GPU before the check starts
@@ -58,13 +56,15 @@ def test_without_a_gpu_it_says_why_in_one_line_and_exits_2_writing_nothing(tmp_p
 
 def test_it_imports_nothing_that_a_gpu_machine_without_the_project_dependencies_lacks():
     """Only the standard library, pynvml and the project's own stdlib-only modules: no Flask, Twisted, TF or numpy."""
-    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_check, gpu_holder; "
+    code = ("import sys; import tools.gpu_check.checks, tools.gpu_check.holder; "
             "print('\\n'.join(m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    imported = {name.split(".")[0] for name in done.stdout.split()}
+    modules = set(done.stdout.split())
+    imported = {name.split(".")[0] for name in modules}
     assert imported & {"flask", "twisted", "tensorflow", "numpy", "werkzeug", "PIL", "torch", "cupy"} == set()
-    assert {"app", "pynvml", "gpu_check", "gpu_holder"} <= imported
+    assert {"app", "pynvml", "tools"} <= imported
+    assert {"tools.gpu_check.checks", "tools.gpu_check.holder"} <= modules
 
 
 def test_without_cupy_or_torch_it_cannot_run(monkeypatch):
@@ -78,7 +78,8 @@ def test_without_cupy_or_torch_it_cannot_run(monkeypatch):
 def test_a_holder_without_its_backend_reports_failed_on_its_channel_and_exits_3():
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed here")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_holder.py"), "--backend", "cupy", "--mib", "1"],
+    holder = ROOT / "tools" / "gpu_check" / "holder.py"
+    done = subprocess.run([sys.executable, str(holder), "--backend", "cupy", "--mib", "1"],
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 3
     message = json.loads(done.stdout)

@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
 FACES = ROOT / "models" / "faces"
 
 
 def run_tool(name: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """Run scripts/<name>.py with this interpreter; return the finished process (output captured)."""
+    """Run `python -m tools.<name>` with this interpreter; return the finished process (output captured)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    return subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", f"tools.{name}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -112,8 +111,8 @@ def test_soak_smoke_keeps_memory_threads_and_descriptors_steady(blob_model_dir, 
 ])
 def test_loadgen_refuses_unbounded_or_empty_plans(tmp_path, args, message):
     (tmp_path / "one.jpg").write_bytes(b"\xff\xd8\xff")
-    done = subprocess.run([sys.executable, str(SCRIPTS / "loadgen.py"), "--port", "1", "--images", str(tmp_path),
-                           *args], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "tools.loadgen", "--port", "1", "--images", str(tmp_path), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -122,8 +121,7 @@ def test_loadgen_wraps_an_image_as_the_peers_take_it():
     """KServe v1 (instances, b64) and v2 JSON (a base64 BYTES input, as MLServer's Base64Codec reads it)."""
     import base64
 
-    sys.path.insert(0, str(SCRIPTS))
-    import loadgen
+    from tools import loadgen
 
     image = b"\xff\xd8\xff\xe0 not UTF-8 \xff\xd9"
     v1 = json.loads(loadgen.v1_request(image))
@@ -161,9 +159,9 @@ def test_loadgen_posts_each_request_format_to_its_route(tmp_path, flag, path):
     try:
         (tmp_path / "one.jpg").write_bytes(b"\xff\xd8\xff")
         value = "m" if flag != "--path" else "/m"
-        done = subprocess.run([sys.executable, str(SCRIPTS / "loadgen.py"), "--port", str(server.server_address[1]),
-                               "--images", str(tmp_path), "--requests", "1", flag, value], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run([sys.executable, "-m", "tools.loadgen", "--port", str(server.server_address[1]),
+                               "--images", str(tmp_path), "--requests", "1", flag, value], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
     finally:
         server.shutdown()
         server.server_close()

@@ -1,4 +1,4 @@
-"""The committed COCO detector (models/objects, exported by scripts/export_objects.py).
+"""The committed COCO detector (models/objects, exported by tools/export/objects.py).
 
 Three checks apart: the network against its reference implementation (the same TFJS graph model run
 by TensorFlow.js in Node, on the same pre-processed tensor), the decoding against a plain NumPy
@@ -25,14 +25,11 @@ from PIL import Image
 from app.inference.detector import load_detector
 from app.inference.images import decode_image
 from app.inference.working_size import read_working_size
+from tools.export import objects as export_objects
+from tools.export import tfjs_graph
 
 from conftest import ROOT, start_server
 from images_for_tests import encode
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import export_objects  # noqa: E402
-import tfjs_graph  # noqa: E402
 
 MODEL = ROOT / "models" / "objects"
 PARITY = ROOT / "tests" / "parity"
@@ -444,8 +441,8 @@ def test_the_server_decodes_a_12_mp_jpeg_at_the_working_size(objects_server):
 
 
 def test_the_model_needs_neither_node_nor_the_npm_package_to_serve():
-    """A fresh process that cannot import export_objects, with no PATH, still loads and runs the export."""
-    code = ("import sys; sys.modules['export_objects'] = None\n"
+    """A fresh process that cannot import the exporters (tools), with no PATH, still loads and runs the export."""
+    code = ("import sys; sys.modules['tools'] = None\n"
             "import numpy as np\nfrom PIL import Image\nfrom app.inference.detector import load_detector\n"
             f"image = np.asarray(Image.open({str(SKIMAGE_DATA / 'chelsea.png')!r}).convert('RGB'))\n"
             f"found = load_detector({str(MODEL)!r}).detect([image], 0.5, 10)[0]\n"

@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "overhead.py"
 
 
 def run_overhead(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run benchmarks/overhead.py on the shapes model with this interpreter; return it finished (output captured)."""
+    """Run `python -m benchmarks.overhead` on the shapes model with this interpreter; return it finished."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    return subprocess.run([sys.executable, str(SCRIPT), "--model", str(ROOT / "models" / "shapes"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "benchmarks.overhead", "--model", str(ROOT / "models" / "shapes"), *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
 
 
 def test_a_short_run_times_both_sides_by_turns_and_leaves_no_process_behind(tmp_path):

@@ -15,12 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PEERS = ROOT / "benchmarks" / "peers"
-sys.path.insert(0, str(PEERS))
+from benchmarks.peers import proctree, systems
 
-import proctree  # noqa: E402  (benchmarks/peers is not a package)
-import systems  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_smoke_writes_the_table_and_leaves_no_process_behind(tmp_path):
@@ -29,7 +26,8 @@ def test_smoke_writes_the_table_and_leaves_no_process_behind(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     out = tmp_path / "peers"
-    done = subprocess.run([sys.executable, str(PEERS / "run.py"), "--smoke", "--systems", "service,ray,kserve,mlserver",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.peers.compare", "--smoke",
+                           "--systems", "service,ray,kserve,mlserver",
                            "--venvs", str(tmp_path / "no-venvs"), "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Phone-sized photos decoded at the model's working size answer as they do at full size.
 
-The accuracy checks run scripts/photo_accuracy.py's own functions on subsets sized for CI; the
+The accuracy checks run tools/export/photo_accuracy.py's own functions on subsets sized for CI; the
 figures in docs/concepts/decoding.md come from the script on the full sets. The HTTP checks start real servers with
 decode_at_model_size on and off and read the answers' sizes and boxes.
 """
@@ -8,20 +8,16 @@ decode_at_model_size on and off and read the answers' sizes and boxes.
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from app.inference.detector import load_detector
+from tools.export import photo_accuracy
 
 from blob_model import blob_image, build_blob_model
 from conftest import ROOT, start_server
 from images_for_tests import encode
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import photo_accuracy  # noqa: E402
 
 SHAPES_SCENES = 20  # of the 500 held-out scenes; docs/concepts/decoding.md gives all 500
 FACE_PHOTOS = ("astronaut", "camera", "lfw_mosaic_0")  # the package-checked photos; 14 in docs/concepts/decoding.md

@@ -122,7 +122,7 @@ def sample(leader: int, unique: bool = False) -> dict:
 
 
 class Tree:
-    """A leader's tree as scripts/bench.py's StatsSampler samples a server: `stats()` now; every pid seen kept."""
+    """A leader's tree as tools/samplers.py's StatsSampler samples a server: `stats()` now; every pid seen kept."""
 
     def __init__(self, leader: int, unique_every: int = 4):
         self.leader = leader

@@ -1,4 +1,4 @@
-"""The systems compared: how to set up, start, ask and drive each one. Used by benchmarks/peers/run.py.
+"""The systems compared: how to set up, start, ask and drive each one. Used by benchmarks/peers/compare.py.
 
 Each peer runs from its own virtual environment under benchmarks/peers/.venvs/<peer>, made from
 benchmarks/peers/<peer>/requirements.txt (never a dependency of the project); this service runs with
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent  # the repository's root: benchmarks.peers is a package there
 PEERS = ("ray", "kserve", "mlserver")
 
 
@@ -138,7 +139,7 @@ def launch(system: System, model: Path, service_root: Path, venvs: Path, work: P
         return Launch([sys.executable, "-m", "app", "serve"], service_root, env, port, {"path": "/detect"},
                       lambda jpeg: _post(f"{url}/detect", jpeg, "image/jpeg")["detections"])
     python = str(venv_python(venvs, system.peer))
-    env["PYTHONPATH"] = str(HERE)
+    env["PYTHONPATH"] = str(ROOT)  # where the peer's model file finds benchmarks.peers.common
     if system.peer == "ray":
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         return Launch([python, str(HERE / "ray" / "serve_app.py"), "--model", str(model), "--port", str(port)],
@@ -160,7 +161,7 @@ def launch(system: System, model: Path, service_root: Path, venvs: Path, work: P
     (folder / "model-settings.json").write_text(json.dumps({
         "name": name, "implementation": "runtime.Detector", "parameters": {"uri": str(model)},
         "max_batch_size": 16, "max_batch_time": 0.005}))
-    env["PYTHONPATH"] = f"{HERE}:{HERE / 'mlserver'}"
+    env["PYTHONPATH"] = f"{ROOT}:{HERE / 'mlserver'}"  # and runtime.py, named by model-settings.json
 
     def ask_mlserver(jpeg: bytes) -> list[dict]:
         body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",

@@ -1,5 +1,5 @@
 // Run NanoDet-g's TensorFlow.js graph model on TensorFlow.js's WebAssembly backend: the reference the
-// objects export (scripts/export_objects.py) is checked against, in tests/test_objects.py.
+// objects export (tools/export/objects.py) is checked against, in tests/test_objects.py.
 //
 //   node nanodet_heads.mjs MODEL_DIR INPUT.f32 COUNT OUT_DIR
 //

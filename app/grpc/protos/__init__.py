@@ -1,1 +1,1 @@
-"""Generated gRPC messages and stubs (scripts/gen_grpc_protos.py)."""
+"""Generated gRPC messages and stubs (tools/gen_grpc_protos.py)."""

@@ -7,20 +7,17 @@ carry a JPEG: it decodes every BYTES element as UTF-8 and answers 500.) KServe's
 batcher of its own (KServe's batcher is a sidecar of its Kubernetes deployment), so each request is one
 model call.
 
-    python model.py --model_name shapes --model_dir models/shapes --http_port 8080 --enable_grpc false
+    PYTHONPATH=. python benchmarks/peers/kserve/model.py --model_name shapes --model_dir models/shapes
+        --http_port 8080 --enable_grpc false     (one line; from the repository's root, in the kserve venv)
 """
 
 import argparse
 import base64
 import json
-import sys
-from pathlib import Path
-
 import kserve
 from kserve import ModelServer, model_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Model  # noqa: E402  (benchmarks/peers/common.py, the same work for every peer)
+from benchmarks.peers.common import Model  # the same work for every peer (PYTHONPATH: the repository's root)
 
 
 class Detector(kserve.Model):

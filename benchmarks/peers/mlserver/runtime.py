@@ -4,14 +4,14 @@ The v2 protocol as MLServer's docs recommend for binary data: POST /v2/models/<n
 base64 in the BYTES input `image`, marked `"parameters": {"content_type": "base64"}` (decoded by
 MLServer's Base64Codec); the answer is the BYTES output `detections`, the service's JSON per image.
 Adaptive batching is set in model-settings.json (`max_batch_size` 16, `max_batch_time` 0.005 s), which
-benchmarks/peers/run.py writes next to settings.json before `mlserver start <folder>`.
+benchmarks/peers/compare.py writes next to settings.json before `mlserver start <folder>`.
 """
 
 from mlserver import MLModel
 from mlserver.codecs import Base64Codec
 from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
 
-from common import Model  # benchmarks/peers/common.py (on PYTHONPATH)
+from benchmarks.peers.common import Model  # PYTHONPATH: the repository's root
 
 
 class Detector(MLModel):

@@ -5,7 +5,8 @@ Ray Serve's docs recommend for batching: an async batch method with `@serve.batc
 batch_wait_timeout_s=0.005)`, called once per request. `max_ongoing_requests` is raised from its default
 of 5 to 64, or a batch could never hold more than 5 images and requests would queue in the proxy.
 
-    python serve_app.py --model models/shapes --port 8000     (runs until SIGTERM or SIGINT)
+    PYTHONPATH=. python benchmarks/peers/ray/serve_app.py --model models/shapes --port 8000
+        (from the repository's root, in the ray venv; runs until SIGTERM or SIGINT)
 """
 
 import argparse
@@ -17,7 +18,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from common import Model  # benchmarks/peers/common.py (on PYTHONPATH, for Ray's workers too)
+from benchmarks.peers.common import Model  # PYTHONPATH: the repository's root, for Ray's workers too
 
 MAX_BATCH_SIZE = 16
 BATCH_WAIT_TIMEOUT_S = 0.005

@@ -1,7 +1,7 @@
 """Answers on phone-sized photos: decoded at the model's working size against decoded at full size.
 
-    .venv/bin/python scripts/photo_accuracy.py [--shapes 500] [--no-faces] [--no-compare] [--out FILE]
-    .venv/bin/python scripts/photo_accuracy.py --write-photos DIR    # the face photos, for scripts/bench
+    .venv/bin/python -m tools.export.photo_accuracy [--shapes 500] [--no-faces] [--no-compare] [--out FILE]
+    .venv/bin/python -m tools.export.photo_accuracy --write-photos DIR    # the face photos, for scripts/bench
 
 Shapes: the first N held-out scenes, each upscaled to 4032x3024 (3024x4032 when portrait; the
 model resizes every image to 256x256, aspect ratio not kept, so it sees what it sees of the
@@ -34,11 +34,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from app.inference.images import decode_image  # noqa: E402
-from app.inference.working_size import WorkingSize, read_working_size  # noqa: E402
+from app.inference.images import decode_image
+from app.inference.working_size import WorkingSize, read_working_size
+from tools import ROOT
 
 PHONE = (4032, 3024)  # a 12 MP phone photo, landscape
 MAX_PIXELS = 40_000_000
@@ -240,7 +238,7 @@ def face_figures(detector, photos: dict[str, np.ndarray], compare: bool = False,
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.export.photo_accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=int, default=500, help="held-out scenes to score (0: none)")
     parser.add_argument("--shapes-model", type=Path, default=ROOT / "models" / "shapes")
     parser.add_argument("--faces", action=argparse.BooleanOptionalAction, default=True, help="run the face photos")

@@ -26,8 +26,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import bench
-import loadgen
+from tools import ROOT, loadgen
+from tools.images import make_images
+from tools.load_step import drive
+from tools.samplers import StatsSampler, load_average
+from tools.server import ServerProcess, default_model, write_settings
 
 RECOVERY_LIMIT_S = 10.0
 PROVISIONAL_QUEUE = 100000  # while sizing: no 503 from the queue
@@ -58,8 +61,8 @@ def size_queue(capacity_per_s: float, p99_1x_ms: float) -> int:
 
 def choose_max_queue(images: Path, out: Path, args, measure_s: float, base_s: float) -> tuple[int, dict]:
     """Measure capacity and 1x on a server whose queue cannot fill; return the sized queue and the figures."""
-    effective = bench.write_settings(out / "server.toml", overload_settings(args, PROVISIONAL_QUEUE))
-    server = bench.ServerProcess.start(out / "server.toml", out / "sizing-server.log")
+    effective = write_settings(out / "server.toml", overload_settings(args, PROVISIONAL_QUEUE))
+    server = ServerProcess.start(out / "server.toml", out / "sizing-server.log")
     try:
         sizing = measure_1x(server, images, out, effective, args, measure_s, base_s, "sizing")
     finally:
@@ -98,7 +101,7 @@ def recovery(probe: dict, offset_s: float, p50_1x: float, p99_1x: float) -> dict
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/overload", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="model base path (default: shapes, else faces)")
-    parser.add_argument("--out", type=Path, default=bench.ROOT / "out" / "overload", help="output folder")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "overload", help="output folder")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of 4x load (default 60)")
     parser.add_argument("--load-fraction", type=float, default=0.7, help="1x load as a share of capacity")
     parser.add_argument("--factor", type=float, default=4.0, help="overload as a multiple of 1x (default 4)")
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=10.0, help="server request_deadline_s (default 10)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="another server setting")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    args.model = (args.model or bench.default_model()).resolve()
+    args.model = (args.model or default_model()).resolve()
     args.settings = dict(item.split("=", 1) for item in args.set)
     short = args.duration < 30
     measure_s = 3.0 if short else 10.0
@@ -123,17 +126,17 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        images = bench.make_images(out / "images")
-        print(f"overload: model {args.model}; load average {bench.load_average()} on {os.cpu_count()} CPUs "
+        images = make_images(out / "images")
+        print(f"overload: model {args.model}; load average {load_average()} on {os.cpu_count()} CPUs "
               "(shared machine)", file=sys.stderr)
         max_queue, sizing = args.max_queue, None
         if max_queue is None:
             max_queue, sizing = choose_max_queue(images, out, args, measure_s, base_s)
-        effective = bench.write_settings(out / "server.toml", overload_settings(args, max_queue))
+        effective = write_settings(out / "server.toml", overload_settings(args, max_queue))
         print("server settings for the overload run: " + ", ".join(
             f"{k}={effective[k]}" for k in ("http_threads", "max_queue", "request_deadline_s", "max_batch_size",
                                              "max_batch_delay_ms", "inference_threads")), file=sys.stderr, flush=True)
-        server = bench.ServerProcess.start(out / "server.toml", out / "server.log")
+        server = ServerProcess.start(out / "server.toml", out / "server.log")
         try:
             measured = measure_1x(server, images, out, effective, args, measure_s, base_s, "run", known=sizing)
             result = run_overload(server, images, out, args, measured, probe_s)
@@ -158,13 +161,13 @@ def measure_1x(server, images: Path, out: Path, effective: dict, args, measure_s
                tag: str, known: Optional[dict] = None) -> dict:
     """Measure capacity (closed loop; or take `known`'s) and a 1x paced load sustained with at most 1% 503."""
     closed = min(2 * effective["max_batch_size"], effective["max_queue"], effective["http_threads"])
-    bench.drive(server, images, out / "warmup.json", "warm-up", 4, 1.0 if measure_s < 5 else 3.0)
+    drive(server, images, out / "warmup.json", "warm-up", 4, 1.0 if measure_s < 5 else 3.0)
     if known is not None:
         capacity, rate = known["capacity"], known["rate"]
     else:
         print(f"{tag}: capacity: closed loop at {closed} connections for {measure_s:g} s", file=sys.stderr,
               flush=True)
-        capacity = bench.drive(server, images, out / f"capacity-{tag}.json", "capacity", closed, measure_s)
+        capacity = drive(server, images, out / f"capacity-{tag}.json", "capacity", closed, measure_s)
         rate = args.load_fraction * capacity["ok_per_s"]
     if rate <= 0:
         raise RuntimeError(f"no capacity measured: {capacity['statuses']} {capacity['errors']}")
@@ -172,7 +175,7 @@ def measure_1x(server, images: Path, out: Path, effective: dict, args, measure_s
     base = None
     for _ in range(3):
         print(f"{tag}: 1x load: {rate:.2f} requests/s for {base_s:g} s", file=sys.stderr, flush=True)
-        base = bench.drive(server, images, out / f"base-{tag}.json", "1x", connections, base_s, rate=rate,
+        base = drive(server, images, out / f"base-{tag}.json", "1x", connections, base_s, rate=rate,
                            arrivals=args.arrivals)
         if base["statuses"].get("503", 0) <= SUSTAINED_503_SHARE * base["requests"] and base["error_total"] == 0:
             break
@@ -190,8 +193,8 @@ def run_overload(server, images: Path, out: Path, args, measured: dict, probe_s:
     print(f"{args.factor:g}x load: {over_rate:.2f} requests/s ({args.arrivals} arrivals) on {args.connections} "
           f"connections for {args.duration:g} s, then a probe at 1x for {probe_s:g} s", file=sys.stderr, flush=True)
     over_out, probe_out = out / "overload-load.json", out / "probe.json"
-    load_before = bench.load_average()
-    with bench.StatsSampler(server) as sampler:
+    load_before = load_average()
+    with StatsSampler(server) as sampler:
         over = loadgen.spawn(server.port, images, over_out, args.connections, args.duration, rate=over_rate,
                              timeout_s=60.0, records=True, label=f"{args.factor:g}x", arrivals=args.arrivals,
                              seed=1)
@@ -226,7 +229,7 @@ def run_overload(server, images: Path, out: Path, args, measured: dict, probe_s:
         result.pop("records")
     return {
         "model": str(args.model),
-        "load_average": {"start": load_before, "end": bench.load_average()},
+        "load_average": {"start": load_before, "end": load_average()},
         "capacity": _brief(capacity), "base": _brief(base), "rate_1x": round(rate, 2),
         "arrivals": args.arrivals,
         "overload": {**_brief(over_result), "rate": round(over_rate, 2), "connections": args.connections,

@@ -4,12 +4,12 @@ A shared machine's speed drifts by 10 to 20% from one minute to the next, more t
 are worth, so two whole `scripts/bench` runs taken one after the other can mislead. This starts a
 server from each checkout (`python -m app serve` in that folder, on the same model and the same
 generated 640x480 JPEG scenes), waits until both are ready, and then, for each connection count,
-drives them in ABBA order, `--pairs` times, with `scripts/loadgen.py`: each step is a fresh
+drives them in ABBA order, `--pairs` times, with `tools/loadgen.py`: each step is a fresh
 closed-loop load of `--duration` seconds against one server while the other idles. For each step it
 reports images/s and the CPU time per image of that server's whole process tree (the HTTP process
 and its model workers, from /proc), and per pair the ratio B / A.
 
-    .venv/bin/python scripts/ab.py --a ../before --b . [--model models/shapes] [--connections 1,64]
+    .venv/bin/python -m tools.ab --a ../before --b . [--model models/shapes] [--connections 1,64]
         [--pairs 3] [--duration 15] [--out out/ab.json]
 """
 
@@ -27,11 +27,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import loadgen  # noqa: E402  (scripts/ is not a package)
-from bench import ServerProcess, make_images  # noqa: E402
+from tools import ROOT, loadgen
+from tools.images import make_images
+from tools.server import ServerProcess
 
 
 def free_port() -> int:
@@ -81,7 +79,7 @@ def step(server: ServerProcess, images: Path, connections: int, duration_s: floa
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.ab", description=__doc__.splitlines()[0])
     parser.add_argument("--a", type=Path, required=True, help="the first checkout (e.g. the commit before a change)")
     parser.add_argument("--b", type=Path, required=True, help="the second checkout (e.g. this one)")
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "shapes", help="model base path")

@@ -1,7 +1,7 @@
 """Time one image through KServe v2 with tritonclient, three ways: the file as a binary BYTES input, the
 pixels as binary UINT8, and the pixels as JSON `data`; one connection, the client's encoding included.
 
-Usage: .venv/bin/python scripts/v2_payloads.py [--model DIR] [--requests 30]
+Usage: .venv/bin/python -m tools.v2_payloads [--model DIR] [--requests 30]
 """
 
 from __future__ import annotations
@@ -14,28 +14,28 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402  (scripts/ is on the path when run as a script)
+from tools import ROOT
+from tools.images import make_images
+from tools.server import ServerProcess, write_settings
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/v2_payloads.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=bench.ROOT / "models" / "shapes")
+    parser = argparse.ArgumentParser(prog="python -m tools.v2_payloads", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "shapes")
     parser.add_argument("--requests", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=bench.ROOT / "out" / "v2_payloads")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "v2_payloads")
     args = parser.parse_args(argv)
     import tritonclient.http as triton
     from PIL import Image
 
     model = args.model.resolve()
     name = model.parent.name if model.name.isdigit() else model.name
-    images = bench.make_images(args.out / "images", count=1)
+    images = make_images(args.out / "images", count=1)
     jpeg = sorted(images.glob("*.jpg"))[0]
     blob, pixels = jpeg.read_bytes(), np.asarray(Image.open(jpeg).convert("RGB"))[None]
     config = args.out / "server.toml"
-    bench.write_settings(config, {"model": str(model), "log_level": "WARNING"})
-    server = bench.ServerProcess.start(config, args.out / "server.log")
+    write_settings(config, {"model": str(model), "log_level": "WARNING"})
+    server = ServerProcess.start(config, args.out / "server.log")
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{server.port}")
         for kind in ("file as binary BYTES", "pixels as binary UINT8", "pixels as JSON data"):

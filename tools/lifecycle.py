@@ -22,11 +22,9 @@ import threading
 import time
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(ROOT))
-
-import bench  # noqa: E402  (scripts/ is on the path when run as a script)
+from tools import ROOT
+from tools.images import make_images
+from tools.server import ServerProcess, write_settings
 
 
 def request(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, dict]:
@@ -42,7 +40,7 @@ def request(port: int, method: str, path: str, body: bytes = b"", headers: dict 
 class MemorySampler:
     """Sample every server process's RSS from /proc, labelled by what it is, in a background thread."""
 
-    def __init__(self, server: bench.ServerProcess, every_s: float = 0.1):
+    def __init__(self, server: ServerProcess, every_s: float = 0.1):
         self.server = server
         self.every_s = every_s
         self.samples: list[dict] = []
@@ -108,13 +106,13 @@ def unloaded_with_a_ready_spare(port: int, model: str) -> bool:
 
 def run(args) -> dict:
     out = args.out.resolve()
-    images = bench.make_images(out / "images", count=4)
+    images = make_images(out / "images", count=4)
     body = sorted(images.glob("*.jpg"))[0].read_bytes()
     config = out / "server.toml"
-    bench.write_settings(config, {"model_repository": str(ROOT / "models"), "default_model": "faces",
+    write_settings(config, {"model_repository": str(ROOT / "models"), "default_model": "faces",
                                   "preload": False, "idle_unload_s": args.idle_s, "spare_workers": 1,
                                   "log_level": "INFO"})
-    server = bench.ServerProcess.start(config, out / "server.log")
+    server = ServerProcess.start(config, out / "server.log")
     result = {"idle_unload_s": args.idle_s, "rounds": args.rounds, "models": {}}
     try:
         with MemorySampler(server) as sampler:

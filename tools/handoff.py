@@ -6,7 +6,7 @@ reports the median one-way times (parent send -> child has it; child answers -> 
 shared monotonic clock) back to back, then with a pause before each call, as a lone client's requests
 meet the server: between them the virtual CPUs halt, and waking one costs far more than the copy.
 
-    .venv/bin/python scripts/handoff.py [--calls 400] [--idle-ms 0,1,10]
+    .venv/bin/python -m tools.handoff [--calls 400] [--idle-ms 0,1,10]
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from app.models.channel import Channel  # noqa: E402
+from app.models.channel import Channel
 
 OUTPUTS = {"detection_boxes": np.zeros((1, 100, 4), np.float32), "detection_classes": np.zeros((1, 100), np.float32),
            "detection_scores": np.zeros((1, 100), np.float32), "num_detections": np.zeros((1,), np.float32)}
@@ -56,7 +53,7 @@ def measure(channel: Channel, calls: int, idle_s: float) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.handoff", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--idle-ms", default="0,1,10", help="pauses before each call to try, comma-separated (ms)")
     args = parser.parse_args()

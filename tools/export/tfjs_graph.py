@@ -7,7 +7,7 @@ affine uint8/uint16 dequantized; int64 constants, which TFJS stores as int32, wi
 the fused ops that only TensorFlow.js writes into the TensorFlow ops they fuse, and fails naming any op
 TensorFlow does not register. Two optional passes then fit the graph for serving: `relax_batch` lets a
 graph exported at batch 1 take any batch, and `drop_transposes` removes the NCHW/NHWC round trips an
-ONNX-to-TensorFlow conversion leaves around every convolution. Used by scripts/export_objects.py.
+ONNX-to-TensorFlow conversion leaves around every convolution. Used by tools/export/objects.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """MkDocs hooks: render the reference pages from the code that defines them, at build time.
 
 A page asks for generated text with a marker line, `<!-- generated: NAME -->`, which `on_page_markdown`
-replaces with GENERATED[NAME](): the settings table (app/settings.py, through scripts/settings_table.py),
+replaces with GENERATED[NAME](): the settings table (app/settings.py, through tools/docs/settings_table.py),
 the CLI (each command's argparse parser), the metrics (the registry app/metrics.py builds), the HTTP routes
 (app/http/openapi.py's document, also written to the site as reference/openapi.json), the error codes
 (app/errors.py's tree and each protocol's status table), and SECURITY.md and CHANGELOG.md from the
 repository's root. Nothing generated is committed, so nothing generated can go stale.
+
+MkDocs loads this file by its path, so it must run as `python -m mkdocs` from the repository's root (as
+scripts/docs and the tests run it): that puts the root first on the path, and with it this checkout's `app`
+and `tools`.
 """
 
 from __future__ import annotations
@@ -14,21 +18,12 @@ import argparse
 import functools
 import json
 import re
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _importable() -> None:
-    """Put this checkout's `app` and scripts/ first on the path (MkDocs restores sys.path after loading hooks)."""
-    for path in (ROOT / "scripts", ROOT):
-        if str(path) in sys.path:
-            sys.path.remove(str(path))
-        sys.path.insert(0, str(path))
-
-
-_importable()
+try:
+    from tools import ROOT
+except ModuleNotFoundError as exc:  # plain `mkdocs`: its own folder on the path, not the repository's root
+    raise SystemExit("the docs hooks need the repository's root on the path: run `python -m mkdocs` there "
+                     "(scripts/docs does)") from exc
 
 MARKER = re.compile(r"^<!-- generated: (?P<name>[^>]+?) -->$", re.MULTILINE)
 HELP_WIDTH = 100  # the CLI reference's line width, whatever the terminal that builds the site
@@ -46,7 +41,7 @@ def _sentence(text: str) -> str:
 
 
 def settings_table() -> str:
-    from settings_table import settings_table as table
+    from tools.docs.settings_table import settings_table as table
 
     return table()
 
@@ -124,7 +119,7 @@ def stages_reference() -> str:
 def openapi_document() -> dict:
     """The document GET /openapi.json serves, for a server holding the committed models."""
     from app import __version__
-    from app.http.app import SERVER_NAME
+    from app.protocol.plane import SERVER_NAME
     from app.http.openapi import document
 
     models = sorted(p.name for p in (ROOT / "models").iterdir() if p.is_dir())
@@ -261,11 +256,6 @@ def render(markdown: str) -> str:
 
 
 # MkDocs hook functions
-
-
-def on_config(config):
-    _importable()
-    return config
 
 
 def on_page_markdown(markdown, page, config, files):

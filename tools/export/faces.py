@@ -1,6 +1,6 @@
 """Export mtcnn's pretrained face detector (P-Net, R-Net, O-Net) as one OD API SavedModel.
 
-    .venv/bin/python scripts/export_faces.py [--out models/faces/1]
+    .venv/bin/python -m tools.export.faces [--out models/faces/1]
 
 Only the weights come from the `mtcnn` package (1.0.0, MIT; stored with joblib + lz4). The cascade
 is rebuilt here in TensorFlow ops and follows `MTCNN().detect_faces` step by step, with its
@@ -14,7 +14,7 @@ each image answered on its own; outputs `detection_boxes` (normalized [ymin, xmi
 `detection_classes` (1.0, 'face'), `detection_scores` (O-Net's face probability; only faces above
 mtcnn's 0.8 are returned, as the package does) and `num_detections`, padded to MAX_DETECTIONS.
 Landmarks are not exported. Beside the SavedModel, `model_info.json` gives the working size the
-service decodes photos at (app/working_size.py): a longest side of WORKING_LONGEST_SIDE.
+service decodes photos at (app/inference/working_size.py): a longest side of WORKING_LONGEST_SIDE.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools import ROOT
+
 DEFAULT_OUT = ROOT / "models" / "faces" / "1"
 LABEL_MAP = "item { id: 1 name: 'face' display_name: 'face' }\n"
 MAX_DETECTIONS = 100
@@ -371,7 +372,7 @@ def smoke_test(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.export.faces", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"version folder to write (default {DEFAULT_OUT.relative_to(ROOT)})")
     args = parser.parse_args(argv)

@@ -1,11 +1,11 @@
 """Compare this service with Ray Serve, KServe's Python server and MLServer, side by side, one at a time.
 
 For each system in turn: start it (a session of its own), wait until it answers, check its boxes against
-this service's on the same JPEG, warm it up, drive it with scripts/loadgen.py at 1 and at 64 connections
+this service's on the same JPEG, warm it up, drive it with tools/loadgen.py at 1 and at 64 connections
 for --duration seconds each, sampling the resident memory of its whole process tree from /proc (RSS and
 and PSS, and its resident pages counted once, benchmarks/peers/proctree.py), then stop it (SIGTERM, SIGKILL of what is left after 30 s) and check
 that no process of it is left. Before the systems, the in-process single-image latency and ceiling
-(scripts/bench.py's measure_ceiling: decode plus the model, no HTTP) are measured in the same run, so the
+(tools/ceiling.py's measure_ceiling: decode plus the model, no HTTP) are measured in the same run, so the
 issue's goals can be checked from one run. Writes results.json, results.md and results.png to --out.
 
     benchmarks/peers/run [--model models/shapes] [--systems service,service-no-spare,ray,kserve,mlserver]
@@ -27,15 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(HERE))
+from benchmarks.peers import proctree, systems
+from tools import ROOT, loadgen
+from tools.ceiling import run_ceiling
+from tools.images import make_images
+from tools.samplers import StatsSampler, load_average
 
-import loadgen  # noqa: E402  (scripts/ is not a package)
-import proctree  # noqa: E402
-import systems  # noqa: E402
-from bench import StatsSampler, load_average, make_images, run_ceiling  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 CONNECTIONS = (1, 64)
 # Photos of COCO objects (a person, a cat, a cup, a motorcycle, a rocket) from scikit-image's data, cut to 4:3:
@@ -299,7 +297,7 @@ def plot(result: dict, path: Path) -> None:
 # --- main --------------------------------------------------------------------------------------------
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/peers/run", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "shapes", help="model base path")
     parser.add_argument("--systems", default=None,
                         help=f"comma-separated, of {', '.join(systems.SYSTEMS)} (default all; --smoke: service)")

@@ -1,20 +1,20 @@
 """Check the service's GPU claims against a real GPU: `scripts/gpu-check [--out DIR]`.
 
-On one GPU (--gpu, default 0) it starts holder processes (scripts/gpu_holder.py, through CuPy or
+On one GPU (--gpu, default 0) it starts holder processes (tools/gpu_check/holder.py, through CuPy or
 PyTorch): one with a bare CUDA context, then one per --sizes-mib (default 2048 and 5120), each waiting
 until it is told to exit. Against them it checks:
 
 1. the overhead of a bare CUDA context, as NVML sees it per process (or as the rise of the device's
    used memory, where NVML cannot see the holders' pids), against the fleet's default
    gpu_overhead_mib; and again after a cuBLAS and a cuDNN call (a warning if over);
-2. the NVML module (app/nvml.py): each holder's used MiB is its allocation plus at most a context,
+2. the NVML module (app/gpu/nvml.py): each holder's used MiB is its allocation plus at most a context,
    and the device's total, used and free MiB and driver are what `nvidia-smi --query-gpu` prints;
-3. the /gpu accounting (app/gpu_report.py) over a fleet state file that names two holders as
+3. the /gpu accounting (app/gpu/report.py) over a fleet state file that names two holders as
    instances capped at their allocations: each is named, its overhead is NVML used - cap, the bare
    context is `other`, and the memory held unused is used - TensorFlow's current - overhead (no
    TensorFlow here: half the cap stands in for its current use). Where NVML lists no holder pid (a
    container without --pid=host), it checks the documented fallback to TensorFlow's figures instead;
-4. the fleet budget (app/fleet_plan.py) against NVML's total: the holders' fleet, one filled to
+4. the fleet budget (app/fleet/plan.py) against NVML's total: the holders' fleet, one filled to
    exactly the total and one a MiB over, through `python -m app fleet --dry-run --gpu-total-mib`
    (exit 0, 0, 2) and through the planner on NVML's inventory (total less what the driver reserves);
 5. release: each holder is ended, and its memory must be back in NVML's free figure within 5 s
@@ -50,22 +50,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-HOLDER = SCRIPTS / "gpu_holder.py"
+# Every project module this check uses, in one place. Each imports only the standard library and pynvml.
+from app.errors import NvmlUnavailable
+from app.fleet.cli import gpu_inventory
+from app.fleet.plan import FleetConfig, Plan, load_fleet, make_plan
+from app.fleet.state import OTHER
+from app.gpu.nvml import DeviceSnapshot, Nvml, ProcessUsage
+from app.gpu.report import PID_NOT_VISIBLE, GpuReport
+from tools import ROOT
 
-if sys.version_info < (3, 11):
-    sys.exit(f"gpu-check: cannot run here: it needs Python 3.11 or later, not {platform.python_version()}")
-
-sys.path.insert(0, str(ROOT))
-
-# Every project module this script uses, in one place. Each imports only the standard library and pynvml.
-from app.errors import NvmlUnavailable  # noqa: E402
-from app.fleet.cli import gpu_inventory  # noqa: E402
-from app.fleet.plan import FleetConfig, Plan, load_fleet, make_plan  # noqa: E402
-from app.fleet.state import OTHER  # noqa: E402
-from app.gpu.nvml import DeviceSnapshot, Nvml, ProcessUsage  # noqa: E402
-from app.gpu.report import PID_NOT_VISIBLE, GpuReport  # noqa: E402
+HOLDER = Path(__file__).resolve().parent / "holder.py"  # run by path: it imports nothing of the project
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
 BACKENDS = ("torch", "cupy")  # auto tries them in this order: torch's context is more like TensorFlow's
@@ -345,7 +339,7 @@ def check_all_back(baseline: DeviceSnapshot, final: DeviceSnapshot) -> Check:
 # --- the holders: child processes, driven from the main thread only -----------------------------------------
 
 class Holder:
-    """One scripts/gpu_holder.py process; its stdout is read by a thread into a queue, all else is the caller's."""
+    """One tools/gpu_check/holder.py process; its stdout is read by a thread into a queue, all else is the caller's."""
 
     def __init__(self, name: str, mib: int, backend: str, gpu: int, log_dir: Path, holder_script: Path):
         self.name, self.mib, self.backend = name, mib, backend

@@ -1,6 +1,6 @@
 """Hold GPU memory for scripts/gpu-check: allocate N MiB through CuPy or PyTorch, say so, and wait.
 
-Run by scripts/gpu_check.py as a child process (never forked), one per holder. It imports nothing of
+Run by tools/gpu_check/checks.py as a child process (never forked), one per holder. It imports nothing of
 the project. The protocol is one JSON object per line:
 
 - stdout, once the memory is held: {"event": "ready", "pid", "backend", "version", "device",

@@ -2,7 +2,7 @@
 
 The one source of every setting is the Settings dataclass: its help text and default make the `serve --help`
 lines (app.hosting.serve.setting_help), this table (docs/reference/settings.md, rendered at build time by
-docs/hooks/generate.py) and the list config/default.toml must name. Run it to print the table; with
+tools/docs/hooks.py) and the list config/default.toml must name. Run it to print the table; with
 `--check-config FILE`, to list the settings the file leaves out (exit 1 if any).
 """
 
@@ -12,9 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from app.settings import PER_MODEL_KEYS, default_text, env_name, flag_name, setting_fields  # noqa: E402
+from app.settings import PER_MODEL_KEYS, default_text, env_name, flag_name, setting_fields
 
 # A key line of the TOML file, set or commented out ("# model = ..." documents a setting left unset).
 _KEY_LINE = re.compile(r"^\s*#?\s*([a-z_]+)\s*=", re.MULTILINE)
@@ -51,7 +49,7 @@ def main(argv: list[str]) -> int:
                   "or a commented-out line)", file=sys.stderr)
         return 1 if missing else 0
     if argv:
-        print("usage: python scripts/settings_table.py [--check-config FILE]", file=sys.stderr)
+        print("usage: python -m tools.docs.settings_table [--check-config FILE]", file=sys.stderr)
         return 2
     print(settings_table())
     return 0

@@ -17,7 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-import bench
+from tools import ROOT
+from tools.images import make_images
+from tools.load_step import drive
+from tools.samplers import load_average
+from tools.server import ServerProcess, default_model, write_settings
 
 SMOKE_MIN_S = 10.0  # the smoke run lasts at least this long, so samples follow the warm-up
 # A model worker's memory grows while it meets the batch sizes an open loop brings; a short warm-up
@@ -29,26 +33,26 @@ GROWTH_LIMIT_MB = 50.0
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/soak", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="model base path (default: shapes, else faces)")
-    parser.add_argument("--out", type=Path, default=bench.ROOT / "out" / "soak", help="output folder")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "soak", help="output folder")
     parser.add_argument("--requests", type=int, default=None, help="requests in the soak (default 10000, smoke 300)")
     parser.add_argument("--fraction", type=float, default=0.7, help="soak rate as a share of capacity")
     parser.add_argument("--connections", type=int, default=16, help="connections (default 16)")
     parser.add_argument("--smoke", action="store_true", help="short CI mode: 300 requests after a short warm-up")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a server setting")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    model = (args.model or bench.default_model()).resolve()
+    model = (args.model or default_model()).resolve()
     total = args.requests or (300 if args.smoke else 10_000)
     warmup = SMOKE_WARMUP if args.smoke else max(100, total // 10)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        images = bench.make_images(out / "images")
-        settings = bench.write_settings(out / "server.toml", {"model": str(model),
+        images = make_images(out / "images")
+        settings = write_settings(out / "server.toml", {"model": str(model),
                                                               **dict(s.split("=", 1) for s in args.set)})
         connections = min(args.connections, settings["http_threads"])
         print(f"soak: model {model}, {total} requests after {warmup} warm-up; load average "
-              f"{bench.load_average()} on {os.cpu_count()} CPUs (shared machine)", file=sys.stderr, flush=True)
-        server = bench.ServerProcess.start(out / "server.toml", out / "server.log")
+              f"{load_average()} on {os.cpu_count()} CPUs (shared machine)", file=sys.stderr, flush=True)
+        server = ServerProcess.start(out / "server.toml", out / "server.log")
         try:
             result = soak(server, images, out, settings, total, warmup, connections, args)
         finally:
@@ -68,7 +72,7 @@ def soak(server, images: Path, out: Path, settings: dict, total: int, warmup: in
     closed = min(2 * settings["max_batch_size"], settings["max_queue"])
     measure_s = 3.0 if args.smoke else 10.0
     print(f"capacity: closed loop at {closed} connections for {measure_s:g} s", file=sys.stderr, flush=True)
-    capacity = bench.drive(server, images, out / "capacity.json", "capacity", closed, measure_s)
+    capacity = drive(server, images, out / "capacity.json", "capacity", closed, measure_s)
     rate = args.fraction * capacity["ok_per_s"]
     if rate <= 0:
         raise RuntimeError(f"no capacity measured: {capacity['statuses']} {capacity['errors']}")
@@ -80,7 +84,7 @@ def soak(server, images: Path, out: Path, settings: dict, total: int, warmup: in
     warm_s = warmup / rate + 1.0
     print(f"{warmup} warm-up + {total} requests at {rate:.2f}/s ({rate / capacity['ok_per_s']:.0%} of {capacity['ok_per_s']:.2f}/s) "
           f"on {connections} connections: about {(warmup + total) / rate / 60:.1f} min", file=sys.stderr, flush=True)
-    main_run = bench.drive(server, images, out / "soak-load.json", "soak", connections, 3600,
+    main_run = drive(server, images, out / "soak-load.json", "soak", connections, 3600,
                            requests=warmup + total, rate=rate)
     # Past the last send the load generator starts closing its connections: those samples are left out.
     until = main_run["stopped_sending_s"] - 1.0

@@ -5,7 +5,7 @@ faces about scikit-image's astronaut, unloads shapes and loads it again so that 
 worker going and coming back, and saves the page. Needs Chromium (/usr/bin/chromium, or
 DETECT_TEST_CHROMIUM) and the test extra (Playwright, scikit-image).
 
-    .venv/bin/python scripts/page_screenshot.py [--out docs/page.png]
+    .venv/bin/python -m tools.page_screenshot [--out docs/page.png]
 """
 
 from __future__ import annotations
@@ -19,16 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench import ServerProcess  # noqa: E402  (scripts/ is not a package)
+from tools import ROOT
+from tools.server import ServerProcess
 
 CHROMIUM = os.environ.get("DETECT_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.page_screenshot", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "page.png")
     args = parser.parse_args()
 

@@ -15,8 +15,8 @@ It reports counts per status, connection failures by kind (refused, reset, close
 answer, timeout, protocol), latency percentiles, throughput and its own CPU time; with `--records`,
 every request as [send time since start (s), latency (ms), status or 0].
 
-Run as a script (`python scripts/loadgen.py --port P --images DIR ...`; JSON on stdout or `--out`),
-or from another script with `spawn` and `collect`, so the load runs in a process of its own.
+Run as `python -m tools.loadgen --port P --images DIR ...` (JSON on stdout or `--out`),
+or from another tool with `spawn` and `collect`, so the load runs in a process of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from tools import ROOT
 
 HOST = "127.0.0.1"  # never anywhere else: this tool is for a local server
 MAX_CONNECTIONS = 1024
@@ -198,7 +200,6 @@ class _GrpcConnection:
 def grpc_infer_request(model: str, image: bytes) -> bytes:
     """One image file as a serialized KServe v2 ModelInferRequest: the BYTES input `image` (a 4-byte
     little-endian length, then the file) and the output `detections`, as v2_binary_request sends it over HTTP."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from app.grpc.protos import grpc_service_pb2 as pb
 
     request = pb.ModelInferRequest(
@@ -450,9 +451,9 @@ def spawn(port: int, images: Path, out: Path, connections: int, duration_s: floa
           grpc_model: Optional[str] = None, path: Optional[str] = None, v2_json_model: Optional[str] = None,
           v1_model: Optional[str] = None) -> subprocess.Popen:
     """Start the load generator in a process of its own, writing its JSON summary to `out`."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--images", str(images),
+    args = [sys.executable, "-m", "tools.loadgen", "--port", str(port), "--images", str(Path(images).resolve()),
             "--connections", str(connections), "--duration", f"{duration_s:g}", "--timeout", f"{timeout_s:g}",
-            "--out", str(out)]
+            "--out", str(Path(out).resolve())]
     if v2_model:
         args += ["--v2-model", v2_model]
     if grpc_model:
@@ -473,7 +474,7 @@ def spawn(port: int, images: Path, out: Path, connections: int, duration_s: floa
         args.append("--records")
     if label:
         args += ["--progress", label]
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL)  # ROOT: where `tools` is found
 
 
 def collect(process: subprocess.Popen, out: Path, timeout_s: float) -> dict:
@@ -490,7 +491,7 @@ def collect(process: subprocess.Popen, out: Path, timeout_s: float) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.loadgen", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True, help=f"server port on {HOST}")
     parser.add_argument("--images", type=Path, required=True, help="folder of .jpg/.png files to POST in turn")
     parser.add_argument("--path", default="/detect")

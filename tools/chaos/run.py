@@ -3,7 +3,7 @@
 Starts `python -m app serve` on a copy of the shipped repository (shapes, objects and faces; a GPU budget that
 holds two of the three workers, so loads evict; short idle unloads; frequent version polls), then:
 
-1. warm-up (a tenth of the time, at least 15 s): the reference answers of every scene (scripts/chaos_traffic.py),
+1. warm-up (a tenth of the time, at least 15 s): the reference answers of every scene (tools/chaos/traffic.py),
    then traffic from `--clients` processes and one burst, so that the thread pools reach their size;
    the last sample of the warm-up is the baseline the leak checks compare with;
 2. chaos (seven tenths): traffic on, and every `--fault-every-s` one fault drawn from FAULTS with the seed:
@@ -13,7 +13,7 @@ holds two of the three workers, so loads evict; short idle unloads; frequent ver
 4. stop: SIGTERM under traffic; the server must exit 0 and leave no worker behind.
 
 Every second a sampler records the HTTP process's resident memory, descriptors, threads and memfd lanes, each
-child's memory and state, and /models and /gpu. scripts/chaos_report.py then checks the run (what must hold is
+child's memory and state, and /models and /gpu. tools/chaos/report.py then checks the run (what must hold is
 in its docstring), writes chaos.json and chaos.png, and prints the summary. Exit status 0 if every check
 passes, 1 if one fails, 2 if the run could not be made.
 """
@@ -35,14 +35,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(SCRIPTS))
-
-import bench  # noqa: E402
-import chaos_report  # noqa: E402
-import chaos_traffic  # noqa: E402
+from tools import ROOT
+from tools.chaos import report as chaos_report
+from tools.chaos import traffic as chaos_traffic
+from tools.images import make_images
+from tools.server import ServerProcess, write_settings
 
 MODELS = chaos_traffic.MODELS
 CAP_MIB, OVERHEAD_MIB = 1024, 300
@@ -99,7 +96,7 @@ def http_process_figures(pid: int) -> dict:
 class Sampler:
     """Every second: the HTTP process, each child (memory, state, role), /models and /gpu."""
 
-    def __init__(self, server: bench.ServerProcess, t0: float):
+    def __init__(self, server: ServerProcess, t0: float):
         self.server, self.t0 = server, t0
         self.samples: list[dict] = []
         self.roles: dict[int, str] = {}  # every pid ever seen as a worker or spare
@@ -154,7 +151,7 @@ class Sampler:
 class Faults:
     """The fault injector: draws faults with the run's seed, applies them, and records each with its time."""
 
-    def __init__(self, server: bench.ServerProcess, repository: Path, seed: int, t0: float, weights: dict):
+    def __init__(self, server: ServerProcess, repository: Path, seed: int, t0: float, weights: dict):
         self.server, self.repository, self.t0, self.weights = server, repository, t0, weights
         self.rng = random.Random(seed)
         self.events: list[dict] = []
@@ -268,25 +265,26 @@ def prepare(out: Path, seed: int) -> tuple[Path, Path]:
     for model in MODELS:
         shutil.copytree(ROOT / "models" / model / "1", repository / model / "1")
     images = out / "images"
-    bench.make_images(images, count=8, seed=seed)
+    make_images(images, count=8, seed=seed)
     photo = images / "photo-12mp.jpg"
     if not photo.exists():
-        bench.make_images(out / "photo", count=1, seed=seed, size=(4032, 3024))
+        make_images(out / "photo", count=1, seed=seed, size=(4032, 3024))
         shutil.move(out / "photo" / "scene-00.jpg", photo)
     return repository, images
 
 
-def start_clients(server: bench.ServerProcess, args, images: Path, out: Path, stop_file: Path) -> list:
+def start_clients(server: ServerProcess, args, images: Path, out: Path, stop_file: Path) -> list:
     clients, epoch = [], time.time()
     for i in range(args.clients):
-        command = [sys.executable, str(SCRIPTS / "chaos_traffic.py"), "--port", str(server.port),
+        command = [sys.executable, "-m", "tools.chaos.traffic", "--port", str(server.port),
                    "--grpc-port", str(server.grpc_port), "--images", str(images),
                    "--references", str(out / "references.json"), "--out", str(out / f"requests-{i}.jsonl"),
                    "--threads", str(args.threads), "--seed", str(args.seed * 100 + i), "--stop-file", str(stop_file),
                    "--epoch", str(epoch), "--first-thread", str(i * args.threads),
                    "--header-timeout-s", str(SETTINGS["header_timeout_s"]),
                    "--body-timeout-s", str(SETTINGS["body_timeout_s"])]
-        clients.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(out / f"client-{i}.log", "w")))
+        clients.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                        stderr=open(out / f"client-{i}.log", "w")))
     return clients
 
 
@@ -296,13 +294,13 @@ def run(args) -> dict:
     for old in out.glob("requests-*.jsonl"):
         old.unlink()
     repository, images = prepare(out, args.seed)
-    settings = bench.write_settings(out / "server.toml", {"model_repository": str(repository), **SETTINGS})
+    settings = write_settings(out / "server.toml", {"model_repository": str(repository), **SETTINGS})
     warmup_s, chaos_s = max(15.0, args.duration * 0.1), args.duration * 0.7
     settle_s = args.duration - warmup_s - chaos_s
     print(f"chaos: seed {args.seed}, {args.duration:.0f} s: warm-up {warmup_s:.0f}, chaos {chaos_s:.0f}, settle "
           f"{settle_s:.0f}, then SIGTERM under traffic; {args.clients} client processes x {args.threads} threads; "
           f"out {out}", file=sys.stderr, flush=True)
-    server = bench.ServerProcess.start(out / "server.toml", out / "server.log")
+    server = ServerProcess.start(out / "server.toml", out / "server.log")
     t0 = time.monotonic()
     stop_file = out / "clients.stop"
     stop_file.unlink(missing_ok=True)
