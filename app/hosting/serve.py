@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import ConfigError, DetectError, ModelError, PolicyError
+from ..errors import ConfigError, DetectError, MissingExtra, ModelError, PolicyError
+from ..extras import require_extra
 from ..settings import (DEFAULT_CONFIG, FALSE_WORDS, TRUE_WORDS, Settings, check_model_names, default_text, env_name,
                         flag_name, grouped_setting_fields, load_settings, setting_fields, value_text)
 
@@ -113,7 +114,9 @@ def main(argv: list[str]) -> int:
     config, args = parse_flags(argv)
     try:
         settings = load_settings(flags=args, config_path=config)
-    except ConfigError as exc:
+        if settings.tls_cert_file:  # Twisted's TLS needs pyOpenSSL
+            require_extra("tls", "OpenSSL", "HTTPS (tls_cert_file)")
+    except (ConfigError, MissingExtra) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
@@ -291,10 +294,7 @@ def _tls_options(settings: Settings):
         return None
     from twisted.internet import ssl
 
-    try:
-        import OpenSSL  # noqa: F401  (Twisted's TLS needs pyOpenSSL: the `tls` extra)
-    except ImportError:
-        raise ImportError("HTTPS needs pyOpenSSL and service_identity: pip install 'gpu-share-detect[tls]'") from None
+    require_extra("tls", "OpenSSL", "HTTPS (tls_cert_file)")  # main says so at once; this, for a direct caller
     pem = Path(settings.tls_key_file).read_bytes() + b"\n" + Path(settings.tls_cert_file).read_bytes()
     try:
         return ssl.PrivateCertificate.loadPEM(pem).options()
@@ -330,7 +330,7 @@ def run(server: Server) -> int:
     settings = server.settings
     try:
         tls = _tls_options(settings)
-    except (OSError, ValueError, ImportError) as exc:
+    except (OSError, ValueError, MissingExtra) as exc:
         log.error("cannot serve HTTPS: %s", exc)
         print(f"error: cannot serve HTTPS: {exc}", file=sys.stderr)
         return 2
