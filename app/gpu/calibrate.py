@@ -115,10 +115,11 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
     """
     import numpy as np
 
-    from ..process import configure_cuda_order
+    from ..process import configure_cuda_order, quiet_tensorflow_startup
     from .nvml import Nvml
 
     configure_cuda_order()
+    quiet_tensorflow_startup()
     try:
         nvml = Nvml.open(nvml_library)
     except NvmlUnavailable as exc:
