@@ -40,7 +40,8 @@ RUN groupadd --system --gid 10001 detect \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /srv/detect --shell /usr/sbin/nologin detect
 USER 10001:10001
 
-# HTTP, and gRPC (KServe v2, TF Serving, grpc.health.v1, reflection).
+# HTTP, and gRPC (KServe v2, TF Serving, grpc.health.v1, reflection): Triton's pair. The server's own gRPC
+# default is off (one host, several instances); a container has a network of its own, so it names 8001 above.
 EXPOSE 8000 8001
 # Twisted drains on SIGTERM (shutdown_grace_s, 20 s): give `docker stop` more, e.g. -t 30.
 STOPSIGNAL SIGTERM

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from . import __version__
+from .errors import MissingExtra
 
 # name: (module, entry point, flag parser builder, one-line help)
 COMMANDS = {
@@ -51,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         return 2
     module, function, _, _ = COMMANDS[argv[0]]
-    return getattr(importlib.import_module(module), function)(argv[1:])
+    try:
+        return getattr(importlib.import_module(module), function)(argv[1:])
+    except MissingExtra as exc:  # one line naming the extra, not a traceback
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ DetectError
 ├── ModelError               the model folder is missing, empty or does not honour the contract (boot, exit 2)
 │   └── WorkerNotStarted     no worker took the model in time, or none could start (not the model's fault)
 ├── NvmlUnavailable          NVML cannot be used: no driver, no library, or a failed call
+├── MissingExtra             a command needs a package of an install extra that is not installed (exit 2)
 ├── WorkerLost               a model's worker process ended while a call was on it (retried, never sent)
 └── RequestError             something about one request; has an HTTP status
     ├── BadRequest           400
@@ -53,6 +54,12 @@ class ConfigError(DetectError):
     """A setting has a value that is not allowed."""
 
     code = "invalid_setting"
+
+
+class MissingExtra(DetectError):
+    """A command needs a package of an install extra (tools, tls) that is not installed."""
+
+    code = "missing_extra"
 
 
 class PolicyError(DetectError):

@@ -1,15 +1,20 @@
 """Process-wide setup, done once where a process starts rather than as a side effect of an import.
 
-`configure_cuda_order` runs in every process that may load TensorFlow (model workers, training,
-calibration); `configure_pillow` and `configure_allocator` in every process that decodes uploads (the HTTP
+`configure_cuda_order` and `quiet_tensorflow_startup` run in every process that may load TensorFlow (model
+workers, training, calibration); `configure_pillow` and `configure_allocator` in every process that decodes uploads (the HTTP
 process, benchmarks).
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
-from typing import Mapping, Optional
+import re
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional
 
 # Pillow inflates PNG text chunks (tEXt, zTXt, iTXt) at open, up to 1 MiB each and 64 MiB in all; 64 MiB per
 # image, in each of the request threads at once, is memory and time no detection needs. 4 MiB keeps any real
@@ -24,6 +29,64 @@ def configure_cuda_order(environ=None) -> None:
     nvidia-smi's GPU 1.
     """
     (os.environ if environ is None else environ).setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+
+
+def quiet_tensorflow_startup(environ=None) -> None:
+    """Keep TensorFlow's C++ INFO and WARNING lines out of the log, its errors in, unless the user chose a level.
+
+    Before TensorFlow is imported. On a CPU host each worker otherwise starts with "Could not find cuda drivers",
+    oneDNN and CPU-feature notices, and each warm-up adds grappler's "Error in PredictCost()" warnings: notices,
+    not failures. TF_CPP_MIN_LOG_LEVEL=0 in the environment brings them back.
+    """
+    (os.environ if environ is None else environ).setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+# What TensorFlow's native libraries write while they load, before TF_CPP_MIN_LOG_LEVEL is read (their static
+# initializers log through absl): INFO lines ("I0000 00:00:1796563515.197510   20385 port.cc:153] oneDNN custom
+# operations are on...", "cudart_stub.cc:31] Could not find cuda drivers...") and absl's notice that it was not set up.
+_ABSL_INFO = re.compile(rb"^I\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\] ")
+_ABSL_NOTICE = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+
+
+def is_load_notice(line: bytes) -> bool:
+    """Return whether a stderr line is one of the INFO notices TensorFlow's libraries print as they load."""
+    return bool(_ABSL_INFO.match(line)) or line.rstrip(b"\r\n") == _ABSL_NOTICE
+
+
+@contextmanager
+def tensorflow_load_notices_dropped(environ: Optional[Mapping[str, str]] = None) -> Iterator[None]:
+    """Drop the INFO notices native code writes to stderr (fd 2) inside the block; pass every other line on after it.
+
+    For `import tensorflow` in a worker, where TF_CPP_MIN_LOG_LEVEL (1 or more) hides INFO: warnings, errors and
+    Python's own output come through, and a crash inside still reaches the real stderr (faulthandler is pointed
+    at it). With TF_CPP_MIN_LOG_LEVEL unset or 0, nothing is dropped.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    real_stderr = os.fdopen(saved, "wb", buffering=0, closefd=False)
+    crash_trace = faulthandler.is_enabled()
+    captured = tempfile.TemporaryFile()
+    os.dup2(captured.fileno(), 2)
+    if crash_trace:
+        faulthandler.enable(file=real_stderr)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        if crash_trace:
+            faulthandler.enable()
+        captured.seek(0)
+        kept = b"".join(line for line in captured if not is_load_notice(line))
+        if kept:
+            os.write(2, kept)
+        captured.close()
+        real_stderr.close()
+        os.close(saved)
 
 
 def configure_pillow() -> None:

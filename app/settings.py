@@ -81,16 +81,16 @@ def _optional_text(value: Any) -> str:
     return str(value).strip()
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     word = str(value).strip().lower()
-    if word in _TRUE or word in _FALSE:
-        return word in _TRUE
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
     raise ValueError("expected true or false (also 1/0, yes/no, on/off)")
 
 
@@ -142,9 +142,10 @@ def _log_level(value: Any) -> str:
     return level
 
 
-def _setting(default: Any, parse: Callable[[Any], Any], help: str, secret: bool = False) -> Any:
-    """A setting; a `secret` one's value never appears in an error message or a repr."""
-    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret}, repr=not secret)
+def _setting(default: Any, parse: Callable[[Any], Any], help: str, secret: bool = False, unset: str = '""') -> Any:
+    """A setting; a `secret` one's value never appears in an error message or a repr; `unset` writes None."""
+    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret, "unset": unset},
+                 repr=not secret)
 
 
 def _restricted_api(value: Any) -> str:
@@ -160,9 +161,13 @@ class Settings:
 
     host: str = _setting("127.0.0.1", _text, "interface to listen on")
     port: int = _setting(8000, _int_in(0, 65535), "TCP port to listen on (0: any free port, logged at boot)")
-    # 8001, as Triton's: its gRPC clients and perf_analyzer default to it.
+    # Off: the service's case is several instances side by side with only the HTTP port changed, and a fixed
+    # second port would make the second one fail to bind (docs/concepts/ports.md). The image, compose.yaml and
+    # the Helm chart name 8001, Triton's, which its gRPC clients and perf_analyzer default to.
     grpc_port: Optional[int] = _setting(
-        8001, _port_or_off, "TCP port of the gRPC services, KServe v2 and TF Serving (0: any free port; off: none)"
+        None, _port_or_off,
+        "TCP port of the gRPC services, KServe v2 and TF Serving (off: none, so that instances on other HTTP "
+        "ports never collide; 8001: Triton's; 0: any free port)", unset="off",
     )
     model: str = _setting(
         "", _optional_text,
@@ -326,11 +331,38 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# The sections of `serve --help` and of the settings reference, in their order; each setting is in one.
+SETTING_GROUPS = (
+    ("Listening", ("host", "port", "grpc_port", "tls_cert_file", "tls_key_file", "listen_backlog")),
+    ("Models", ("model", "model_repository", "default_model")),
+    ("GPU memory", ("gpu_memory", "gpus", "gpu_total_mib", "gpu_overhead_mib")),
+    ("Model workers", ("preload", "spare_workers", "idle_unload_s", "model_poll_s", "load_timeout_s", "max_failures",
+                       "failure_window_s", "restart_backoff_s")),
+    ("Requests and images", ("max_images_per_request", "default_threshold", "max_body_bytes", "max_image_pixels",
+                             "decode_at_model_size")),
+    ("Scheduling: batching, concurrency, admission", ("max_batch_size", "max_batch_delay_ms", "inference_threads",
+                                                      "max_queue", "http_threads", "request_deadline_s")),
+    ("Connections and shutdown", ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_grace_s")),
+    ("Access", ("restricted_api", "cors_origins")),
+    ("Logging and launchers", ("log_level", "fleet_state", "instance_name", "notify_fd")),
+)
+
+
+def grouped_setting_fields() -> list[tuple[str, list[dataclasses.Field]]]:
+    """Return (section title, its settings) in SETTING_GROUPS' order."""
+    by_name = {f.name: f for f in setting_fields()}
+    return [(title, [by_name[name] for name in names]) for title, names in SETTING_GROUPS]
+
+
 def default_text(name: str) -> str:
     """Return a setting's default as it would be written in the TOML file or a flag, e.g. 4096MiB, 20MiB, true."""
-    value = getattr(Settings(), name)
+    return value_text(name, getattr(Settings(), name))
+
+
+def value_text(name: str, value: Any) -> str:
+    """Return a setting's value as it would be written in the TOML file or a flag."""
     if value is None:
-        return '""'
+        return next(f for f in setting_fields() if f.name == name).metadata["unset"]
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value) or '""'
     if isinstance(value, bool):

@@ -184,7 +184,8 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
                  timeout: float = 180.0) -> Server:
     """Start the service with DETECT_* settings from `env` on port 0 (gRPC too); wait until it listens (and is ready).
 
-    The server says "listening" and "ready" on its notify descriptor, as it does to the fleet.
+    A None in `env` leaves that variable unset (the setting's default). The server says "listening" and
+    "ready" on its notify descriptor, as it does to the fleet.
     """
     from app.hosting.lifecycle import Notifications
 
@@ -192,6 +193,7 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     full_env.update({"DETECT_PORT": "0", "DETECT_GRPC_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2",
                      "DETECT_NOTIFY_FD": str(notifications.child_fd), **env})
+    full_env = {key: value for key, value in full_env.items() if value is not None}
     with log_path.open("wb") as handle:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
             [sys.executable, "-m", "app", "serve", *args], cwd=ROOT, env=full_env,

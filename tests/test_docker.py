@@ -106,6 +106,7 @@ def test_the_image_is_the_pinned_tensorflow_gpu_one_run_as_a_user_stopped_by_sig
     env = image_env()
     assert env["DETECT_HOST"] == "0.0.0.0"  # reachable through -p from outside the container
     assert keywords["EXPOSE"].split() == [env["DETECT_PORT"], env["DETECT_GRPC_PORT"]]  # HTTP, then gRPC
+    assert (env["DETECT_PORT"], env["DETECT_GRPC_PORT"]) == ("8000", "8001")  # Triton's pair; serve's own is off
     # The baked-in config file decides what the repository serves, and under which caps; a variable would
     # beat its [models.*] tables, so the image sets none of those.
     assert not {"DETECT_MODEL", "DETECT_GPU_MEMORY", "DETECT_MODEL_REPOSITORY"} & set(env)
@@ -127,6 +128,7 @@ def test_compose_runs_two_instances_on_one_gpu_each_with_its_cap_and_port():
     assert len(re.findall(r"DETECT_GPU_MEMORY: (\S+)", text)) == 2
     assert sorted(re.findall(r'"(\d+):8000"', text)) == ["8001", "8002"]
     assert sorted(re.findall(r'"(\d+):8001"', text)) == ["9001", "9002"]  # gRPC, the fleet file's ports
+    assert re.findall(r'DETECT_GRPC_PORT: "(\d+)"', text) == ["8001", "8001"]  # named: serve's default is off
     assert 'device_ids: ["0"]' in text and "driver: nvidia" in text and "capabilities: [gpu]" in text
     grace = int(re.search(r"stop_grace_period: (\d+)s", text).group(1))
     assert grace > Settings().shutdown_grace_s

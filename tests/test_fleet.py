@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,6 +279,10 @@ port = 0
         conn.close()
         accounting = gpu["accounting"]
         assert gpu["instance"] == "green" and [w["model"] for w in gpu["workers"]] == ["blob"]
+        conn = http.client.HTTPConnection("127.0.0.1", green["port"], timeout=30)
+        conn.request("GET", "/readyz")  # a user's probe: logged, unlike the fleet's own every 200 ms
+        assert conn.getresponse().status == 200
+        conn.close()
         assert accounting["fleet"] is not None and "red" in json.dumps(accounting["fleet"])
 
         table = wait_for(lambda: "pid" in out.read_text() and out.read_text(), 10, "the table", err)
@@ -310,5 +315,7 @@ port = 0
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "Traceback" not in log
+    # The fleet's readiness polls of red (twice) and green are not access lines; the user's /readyz is.
+    assert re.findall(r"app\.access: GET /readyz .*", log) == [re.search(r"app\.access: GET /readyz 200 .*", log)[0]]
     final = _state(state_path)
     assert {s["state"] for s in final.values()} == {"stopped"}

@@ -288,6 +288,24 @@ def test_the_openapi_document_is_valid_and_names_every_protocol(server):
     assert {"/detect", "/v2/models/{name}/infer", "/v1/models/{name}:predict", "/models"} <= paths
 
 
+def test_every_parameter_of_every_operation_in_the_openapi_document_has_a_description(server):
+    """A reader of the routes reference (or a generated client) learns what each parameter does, max_detections too."""
+    status, _, document = server.request("GET", "/openapi.json")
+    assert status == 200
+    shared = document.get("components", {}).get("parameters", {})
+    seen, lacking = 0, []
+    for path, item in document["paths"].items():
+        operations = [(method, op) for method, op in item.items() if method in ("get", "put", "post", "delete", "patch")]
+        for method, operation in [("(path)", item), *operations]:
+            for parameter in operation.get("parameters", []):
+                if "$ref" in parameter:
+                    parameter = shared[parameter["$ref"].rsplit("/", 1)[-1]]
+                seen += 1
+                if not str(parameter.get("description", "")).strip():
+                    lacking.append(f"{method.upper()} {path} {parameter['in']} {parameter['name']}")
+    assert seen > 20 and lacking == [], lacking
+
+
 def test_fuzzing_the_openapi_description_finds_no_server_error_and_no_answer_outside_it(blob_model_dir, tmp_path):
     """A bounded, deterministic schemathesis run over every documented operation but the repository's, which
     unload the model on purpose (tests/test_models.py drives those); any 5xx or undocumented answer fails."""

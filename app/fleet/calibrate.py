@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..errors import ConfigError, DetectError, ModelError, NvmlUnavailable
+from ..errors import ConfigError, DetectError, MissingExtra, ModelError, NvmlUnavailable
+from ..extras import require_extra
 from ..gpu.memory_policy import MemorySpec, apply_policy, parse_memory_spec, tensorflow_memory_info
 
 log = logging.getLogger("app.calibrate")
@@ -114,10 +115,11 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
     """
     import numpy as np
 
-    from ..process import configure_cuda_order
+    from ..process import configure_cuda_order, quiet_tensorflow_startup
     from ..gpu.nvml import Nvml
 
     configure_cuda_order()
+    quiet_tensorflow_startup()
     try:
         nvml = Nvml.open(nvml_library)
     except NvmlUnavailable as exc:
@@ -332,7 +334,9 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
     try:
         settings = load_settings(config_path=args.config)
         version = resolve_model(args.model)
-    except (ConfigError, ModelError) as exc:
+        if args.plot is not None:
+            require_extra("tools", "matplotlib", "--plot")  # asked for: say so before the measurement, not after
+    except (ConfigError, ModelError, MissingExtra) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     if not 0 <= args.headroom <= 1000:
@@ -359,10 +363,13 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
         return 2 if exc.message.startswith(NEEDS_GPU) else 1
     print(report(result))
     plot_path = args.plot or Path("runs") / "calibrate" / f"{version.name}-{version.version}.png"
-    if save_plot(result, plot_path, f"{version.name} version {version.version}"):
-        print(f"plot: {plot_path}")
+    try:
+        require_extra("tools", "matplotlib", "the plot")
+    except MissingExtra as exc:  # not a serving dependency: an image without it still calibrates
+        print(f"plot: skipped; {exc.message}")
     else:
-        print("plot: skipped, matplotlib is not installed (pip install matplotlib)")
+        save_plot(result, plot_path, f"{version.name} version {version.version}")
+        print(f"plot: {plot_path}")
     if result.capped is not None and result.capped.error is not None:
         print(f"error: under the recommended cap the load failed: {result.capped.error}; "
               "try more --headroom", file=sys.stderr)
@@ -403,12 +410,10 @@ def _mib(value: Optional[float]) -> str:
     return "? MiB" if value is None else f"{value:.0f} MiB"
 
 
-def save_plot(result: Calibration, path: Path, title: str) -> bool:
-    """Save memory over time for both runs, with the recommended cap as a line; False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:  # not a serving dependency: an image without it still calibrates
-        return False
+def save_plot(result: Calibration, path: Path, title: str) -> None:
+    """Save memory over time for both runs, with the recommended cap as a line (needs the `tools` extra)."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -435,7 +440,6 @@ def save_plot(result: Calibration, path: Path, title: str) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return True
 
 
 def write_config(path: Path, rec: Recommendation, model: str) -> str:

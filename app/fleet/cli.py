@@ -30,7 +30,7 @@ from typing import Optional
 
 from ..errors import ConfigError, NvmlUnavailable
 from ..gpu.budget import Gpu, inventory
-from ..hosting.lifecycle import Notifications
+from ..hosting.lifecycle import PROBE_USER_AGENT, Notifications
 from ..settings import env_name, load_settings
 from ..supervision import BOOT_ERROR, ExitHistory, RestartRule, describe_exit
 from .plan import FleetConfig, InstanceSpec, Plan, format_table, load_fleet, make_plan, planning_gpus
@@ -262,7 +262,8 @@ class Fleet:
         listening = child.notifications.find("listening")
         if listening is not None:
             child.bound_host, child.bound_port = str(listening["host"]), int(listening["port"])
-        if child.bound_port is not None and _get(child.bound_host, child.bound_port, "/readyz")[0] == 200:
+        if child.bound_port is not None and _get(child.bound_host, child.bound_port, "/readyz",
+                                                 {"User-Agent": PROBE_USER_AGENT})[0] == 200:
             child.state = "ready"
             log.info("instance %s: ready on port %d (pid %d)%s", child.spec.name, child.bound_port,
                      child.process.pid, f" after {child.restarts} restart(s)" if child.restarts else "")
@@ -400,12 +401,13 @@ def run_fleet(config: FleetConfig, plan: Plan, state_path: Path, base_env: dict,
     return status
 
 
-def _get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[Optional[int], object]:
+def _get(host: str, port: int, path: str, headers: Optional[dict] = None,
+         timeout: float = 2.0) -> tuple[Optional[int], object]:
     """GET a path of an instance; return (status, parsed JSON body) or (None, None) if it does not answer."""
     address = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     conn = http.client.HTTPConnection(address, port, timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers or {})
         response = conn.getresponse()
         data = response.read()
     except (OSError, http.client.HTTPException):

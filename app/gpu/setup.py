@@ -37,9 +37,10 @@ def setup_gpus(spec: MemorySpec, gpus: Optional[Sequence[int]], nvml_library=Non
 
     Call it before TensorFlow creates any tensor, in the process that will run the model.
     """
-    from ..process import configure_cuda_order
+    from ..process import configure_cuda_order, quiet_tensorflow_startup
 
     configure_cuda_order()
+    quiet_tensorflow_startup()
     nvml, reason = open_nvml(nvml_library)
     total = nvml.total_mib if nvml is not None else (lambda index: None)
     policy = apply_policy(spec, gpus, total, tf_config=tf_config)

@@ -17,6 +17,11 @@ log = logging.getLogger(__name__)
 
 PHASES = ("starting", "serving", "draining", "stopped")
 
+# The User-Agent of the fleet's readiness probe (every 200 ms while an instance starts): the access log leaves
+# those requests out, and a user's own /readyz, with any other agent, is logged as any request.
+PROBE_USER_AGENT = "gpu-share-detect-fleet-probe"
+PROBE_PATHS = (b"/readyz",)
+
 
 class Lifecycle:
     """The server's phase; thread-safe. Phases only move forward."""

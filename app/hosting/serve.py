@@ -28,40 +28,95 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import ConfigError, DetectError, ModelError, PolicyError
-from ..settings import (Settings, check_model_names, default_text, env_name, flag_name, load_settings,
-                        setting_fields)
+from ..errors import ConfigError, DetectError, MissingExtra, ModelError, PolicyError
+from ..extras import require_extra
+from ..settings import (DEFAULT_CONFIG, FALSE_WORDS, TRUE_WORDS, Settings, check_model_names, default_text, env_name,
+                        flag_name, grouped_setting_fields, load_settings, setting_fields, value_text)
 
 log = logging.getLogger("app.serve")
 
 CONTROL_THREADS = 2  # probes, /metrics and /gpu: a pool of their own, so they answer under load
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the `serve` flag parser: --config plus one flag per setting."""
-    parser = argparse.ArgumentParser(prog="python -m app serve", description="Serve detectors over HTTP.")
+def build_parser(config: Optional[Path] = None) -> argparse.ArgumentParser:
+    """Return the `serve` flag parser: --config plus one flag per setting, in the reference's sections.
+
+    The defaults shown are those `config` (None: config/default.toml if present) leads to, as `main` would.
+    """
+    effective, source, problem = _effective_defaults(config)
+    note = (f"Defaults shown: the code's, then {source}'s." if problem is None
+            else f"Defaults shown: the code's ({problem}).")
+    parser = argparse.ArgumentParser(
+        prog="python -m app serve", description=f"Serve detectors over HTTP. {note} DETECT_<NAME> variables "
+        "override them, and flags override both.".replace("%", "%%"))
     parser.add_argument("--config", type=Path, default=None,
                         help="TOML settings file (default: config/default.toml if present)")
-    for f in setting_fields():
-        parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
-                            help=setting_help(f.name))
+    for title, fields in grouped_setting_fields():
+        group = parser.add_argument_group(title)
+        for f in fields:
+            shown = setting_help(f.name, effective, source)
+            if isinstance(f.default, bool):
+                group.add_argument(flag_name(f.name), dest=f.name, default=None,
+                                   action=argparse.BooleanOptionalAction, help=shown)
+            else:
+                group.add_argument(flag_name(f.name), dest=f.name, default=None,
+                                   metavar=f.name.split("_")[-1].upper(), help=shown)
     return parser
 
 
-def setting_help(name: str) -> str:
-    """Return a setting's --help line: its meaning, its default and its variable, escaped for argparse."""
+def _effective_defaults(config: Optional[Path]) -> tuple[Settings, Optional[str], Optional[str]]:
+    """Return the settings the code and the config file give (no environment, no flags), the file, and any problem."""
+    path = config if config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    try:
+        return load_settings(config_path=path, environ={}), (str(path) if path is not None else None), None
+    except ConfigError as exc:
+        return Settings(), None, exc.message
+
+
+def setting_help(name: str, effective: Optional[Settings] = None, source: Optional[str] = None) -> str:
+    """Return a setting's --help line: its meaning, its effective default and its variable, escaped for argparse.
+
+    A default the config file `source` changes says so; a secret one's value is never shown.
+    """
     field = next(f for f in setting_fields() if f.name == name)
-    text = f"{field.metadata['help']} (default: {default_text(name)}) [{env_name(name)}]"
+    value = getattr(effective, name) if effective is not None else field.default
+    if value == field.default:
+        default = default_text(name)
+    elif field.metadata["secret"]:
+        default = f"set in {source}"
+    else:
+        default = f"{value_text(name, value)}, from {source}"
+    text = f"{field.metadata['help']} (default: {default}) [{env_name(name)}]"
     return text.replace("%", "%%")  # argparse %-formats help; '25%' would end it with ValueError
+
+
+def _boolean_values(argv: list[str]) -> list[str]:
+    """Rewrite `--preload false` and `--preload=false`, the older spelling, as `--no-preload` (true: `--preload`)."""
+    flags = {flag_name(f.name) for f in setting_fields() if isinstance(f.default, bool)}
+    words = TRUE_WORDS + FALSE_WORDS
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        flag, equals, value = argv[index].partition("=")
+        if flag in flags and not equals and index + 1 < len(argv) and argv[index + 1].lower() in words:
+            equals, value = "=", argv[index + 1]
+            index += 1
+        if flag in flags and equals and value.lower() in words:
+            out.append(flag if value.lower() in TRUE_WORDS else "--no-" + flag[2:])
+        else:
+            out.append(argv[index])
+        index += 1
+    return out
 
 
 def main(argv: list[str]) -> int:
     """Parse flags, build settings, and serve until stopped; return the exit status."""
-    args = vars(build_parser().parse_args(argv))
-    config = args.pop("config")
+    config, args = parse_flags(argv)
     try:
         settings = load_settings(flags=args, config_path=config)
-    except ConfigError as exc:
+        if settings.tls_cert_file:  # Twisted's TLS needs pyOpenSSL
+            require_extra("tls", "OpenSSL", "HTTPS (tls_cert_file)")
+    except (ConfigError, MissingExtra) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
@@ -73,6 +128,15 @@ def main(argv: list[str]) -> int:
         log.error("%s", exc.message)
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+
+
+def parse_flags(argv: list[str]) -> tuple[Optional[Path], dict[str, Any]]:
+    """Return the --config file and the settings' raw flag values (None: not given); exit as argparse does."""
+    argv = _boolean_values(argv)
+    early = argparse.ArgumentParser(add_help=False)  # the file first, so that --help shows its defaults
+    early.add_argument("--config", type=Path, default=None)
+    args = vars(build_parser(early.parse_known_args(argv)[0].config).parse_args(argv))
+    return args.pop("config"), args
 
 
 def configure_logging(level: str) -> None:
@@ -232,10 +296,7 @@ def _tls_options(settings: Settings):
         return None
     from twisted.internet import ssl
 
-    try:
-        import OpenSSL  # noqa: F401  (Twisted's TLS needs pyOpenSSL: the `tls` extra)
-    except ImportError:
-        raise ImportError("HTTPS needs pyOpenSSL and service_identity: pip install 'gpu-share-detect[tls]'") from None
+    require_extra("tls", "OpenSSL", "HTTPS (tls_cert_file)")  # main says so at once; this, for a direct caller
     pem = Path(settings.tls_key_file).read_bytes() + b"\n" + Path(settings.tls_cert_file).read_bytes()
     try:
         return ssl.PrivateCertificate.loadPEM(pem).options()
@@ -271,7 +332,7 @@ def run(server: Server) -> int:
     settings = server.settings
     try:
         tls = _tls_options(settings)
-    except (OSError, ValueError, ImportError) as exc:
+    except (OSError, ValueError, MissingExtra) as exc:
         log.error("cannot serve HTTPS: %s", exc)
         print(f"error: cannot serve HTTPS: {exc}", file=sys.stderr)
         return 2
@@ -283,18 +344,14 @@ def run(server: Server) -> int:
             port = reactor.listenSSL(settings.port, server.site, tls, backlog=settings.listen_backlog,
                                      interface=settings.host)
     except CannotListenError as exc:
-        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.socketError)
-        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.socketError}", file=sys.stderr)
-        return 1
+        return _cannot_listen("HTTP", settings.host, settings.port, exc.socketError, "port")
     address = port.getHost()
     grpc_port = None
     if server.grpc is not None:
         try:
             grpc_port = server.grpc.bind(settings.host, settings.grpc_port, _grpc_tls(settings))
         except (OSError, RuntimeError) as exc:
-            log.error("cannot listen for gRPC on %s:%d: %s", settings.host, settings.grpc_port, exc)
-            print(f"error: cannot listen for gRPC on {settings.host}:{settings.grpc_port}: {exc}", file=sys.stderr)
-            return 1
+            return _cannot_listen("gRPC", settings.host, settings.grpc_port, exc, "grpc_port")
         server.grpc.start()
     server.lifecycle.listening(address.host, address.port, grpc_port)
     log.info("listening on %s://%s:%d (models %s; default %s)", "http" if tls is None else "https", address.host,
@@ -340,6 +397,15 @@ def run(server: Server) -> int:
     reactor.run()
     server.lifecycle.stopped()
     return _finish(server)
+
+
+def _cannot_listen(protocol: str, host: str, port: int, reason: object, setting: str) -> int:
+    """Log and print why a port cannot be bound, naming the setting, flag and variable that change it; return 1."""
+    message = (f"cannot listen for {protocol} on {host}:{port}: {reason}; is another server on it? change the port "
+               f"with {flag_name(setting)} / {env_name(setting)} / {setting} in the config file")
+    log.error("%s", message)
+    print(f"error: {message}", file=sys.stderr)
+    return 1
 
 
 def _finish(server: Server) -> int:

@@ -25,6 +25,7 @@ from ..http.paths import Target, inference_target, protocol_of
 from ..settings import Settings
 from ..timeline import RECEIVED_KEY, TIMELINE_KEY, Timeline
 from . import listening
+from .lifecycle import PROBE_PATHS, PROBE_USER_AGENT
 
 access_log = logging.getLogger("app.access")
 log = logging.getLogger(__name__)
@@ -378,7 +379,9 @@ class DetectSite(server.Site):
         self.log_access(result, request)
 
     def log_access(self, result, request) -> None:
-        """Write one access-log line: method, path, status, duration."""
+        """Write one access-log line: method, path, status, duration; none for the fleet's readiness probe."""
+        if request.path in PROBE_PATHS and request.getHeader(b"user-agent") == PROBE_USER_AGENT.encode():
+            return
         started = getattr(request, "_started", 0.0) or time.monotonic()
         # `result` is a Failure when the connection closed before finish(); with WSGI that is common
         # even for complete answers (the client reads Content-Length bytes and hangs up first).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flask import Blueprint, jsonify
 
-from ..inference.detections import MAX_DETECTIONS_LIMIT
+from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT
 from ..protocol.plane import SERVER_NAME, server_version
 from ..protocol.v2_codec import DATATYPES, HEADER_LENGTH
 from .plane import plane
@@ -178,11 +178,15 @@ def document(model_names: list[str], version: str, title: str) -> dict:
     v1_errors = _errors("ProtocolError", V1_ERRORS)
     v1_errors["503"] = _retry(v1_errors["503"])
     binary = {"type": "string", "format": "binary"}
+    content_encoding = {"name": "Content-Encoding", "in": "header", "schema": {"enum": ["gzip", "deflate", "identity"]},
+                        "description": "the body's compression; it is inflated within max_body_bytes (default: identity)"}
     query = [
         {"name": "threshold", "in": "query", "schema": {"type": "number", "minimum": 0, "maximum": 1},
          "description": "score threshold (default: the default_threshold setting)"},
         {"name": "max_detections", "in": "query",
-         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_DETECTIONS_LIMIT}},
+         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_DETECTIONS_LIMIT},
+         "description": f"the most detections to answer per image, highest scores first (default "
+                        f"{DEFAULT_MAX_DETECTIONS}, at most {MAX_DETECTIONS_LIMIT})"},
         {"name": "timing", "in": "query", "schema": {"type": "string", "enum": ["stages"]},
          "description": "stages: timing_ms.stages breaks the time down by stage (the metrics reference lists them)"},
     ]
@@ -211,7 +215,7 @@ def document(model_names: list[str], version: str, title: str) -> dict:
     infer_params = [
         {"name": HEADER_LENGTH, "in": "header", "schema": {"type": "integer", "minimum": 0},
          "description": "the JSON header's length; binary tensor data follows it (0: the body is one image file)"},
-        {"name": "Content-Encoding", "in": "header", "schema": {"enum": ["gzip", "deflate", "identity"]}},
+        content_encoding,
     ]
     infer = {"post": {
         "tags": ["v2"], "summary": "run the model (KServe v2, Triton's binary tensor data extension)",
@@ -227,8 +231,7 @@ def document(model_names: list[str], version: str, title: str) -> dict:
                         "application/octet-stream": {"schema": binary}}}, **v2_errors}}}
     predict = {"post": {
         "tags": ["v1"], "summary": "run the model (TF Serving predict: instances or inputs)",
-        "parameters": [{"name": "Content-Encoding", "in": "header",
-                        "schema": {"enum": ["gzip", "deflate", "identity"]}}],
+        "parameters": [content_encoding],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("PredictRequest")}}},
         "responses": {"200": _json(_ref("PredictResponse"), "predictions (row form) or outputs (columnar)"),
                       **v1_errors}}}

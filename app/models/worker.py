@@ -160,12 +160,14 @@ def prepare() -> None:
 
     This creates no tensor and touches no device, so the memory policy applied later still takes effect.
     """
-    from ..process import configure_cuda_order
+    from ..process import configure_cuda_order, quiet_tensorflow_startup, tensorflow_load_notices_dropped
 
     configure_cuda_order()
-    import tensorflow  # noqa: F401
+    quiet_tensorflow_startup()
+    with tensorflow_load_notices_dropped():
+        import tensorflow  # noqa: F401
 
-    from ..inference import detector  # noqa: F401
+        from ..inference import detector  # noqa: F401
 
 
 def main(argv: Optional[list[str]] = None) -> int:

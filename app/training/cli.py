@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError, ModelError, PolicyError
+from ..extras import require_extra
 from ..settings import env_name, load_settings
 
 log = logging.getLogger("app.shapes")
@@ -140,6 +141,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
 def evaluate_main(argv: list[str]) -> int:
     """Compute COCO mAP of a model on the held-out scenes; write metrics.json beside it."""
     args = evaluate_parser().parse_args(argv)
+    require_extra("tools", "pycocotools", "python -m app evaluate")  # before minutes of inference, not after
 
     def command() -> int:
         from .evaluate import evaluate_model

@@ -12,7 +12,8 @@ import re
 import sys
 from pathlib import Path
 
-from app.settings import PER_MODEL_KEYS, default_text, env_name, flag_name, setting_fields
+from app.settings import (PER_MODEL_KEYS, default_text, env_name, flag_name, grouped_setting_fields,
+                          setting_fields)
 
 # A key line of the TOML file, set or commented out ("# model = ..." documents a setting left unset).
 _KEY_LINE = re.compile(r"^\s*#?\s*([a-z_]+)\s*=", re.MULTILINE)
@@ -23,16 +24,19 @@ def _cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    """Return the markdown table: setting, env, flag, default, meaning."""
-    rows = ["| setting | environment | flag | default | meaning |", "|---|---|---|---|---|"]
-    for f in setting_fields():
-        default = f"`{default_text(f.name)}`" + (" (all)" if f.name == "gpus" else "")
-        per_model = " Also in a `[models.<name>]` table." if f.name in PER_MODEL_KEYS else ""
-        rows.append(
-            f"| `{f.name}` | `{env_name(f.name)}` | `{flag_name(f.name)}` | "
-            f"{default} | {_cell(f.metadata['help'])}.{per_model} |"
-        )
-    return "\n".join(rows)
+    """Return one markdown table per section of `serve --help`: setting, env, flag, default, meaning."""
+    sections = []
+    for title, fields in grouped_setting_fields():
+        rows = [f"### {title}", "", "| setting | environment | flag | default | meaning |", "|---|---|---|---|---|"]
+        for f in fields:
+            default = f"`{default_text(f.name)}`" + (" (all)" if f.name == "gpus" else "")
+            per_model = " Also in a `[models.<name>]` table." if f.name in PER_MODEL_KEYS else ""
+            rows.append(
+                f"| `{f.name}` | `{env_name(f.name)}` | `{flag_name(f.name)}` | "
+                f"{default} | {_cell(f.metadata['help'])}.{per_model} |"
+            )
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
 
 
 def missing_from_config(text: str) -> list[str]:
