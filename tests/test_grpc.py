@@ -113,6 +113,53 @@ def test_tf_serving_classify_answers_unimplemented(tf_channel):
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Classify" in refused.value.details()
 
 
+def test_a_stream_answers_each_request_with_its_id_and_an_error_without_ending(server):
+    """tritonclient.grpc's stream: 12 requests in flight at once, one bad; every id is answered on the stream,
+    the bad one with its error_message, the good ones with the unary call's detections."""
+    import queue
+
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    with triton.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as streaming:
+        streaming.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for i in range(12):
+            image = encode(RED_GREEN) if i != 5 else b"not an image"
+            streaming.async_stream_infer("blob", [files_input([image])], request_id=f"r{i}",
+                                         outputs=[triton.InferRequestedOutput("detections")],
+                                         parameters={"max_detections": 1})
+        received = [answers.get(timeout=60) for _ in range(12)]
+        streaming.stop_stream()
+    errors = [error for _, error in received if error is not None]
+    assert len(errors) == 1 and "image" in errors[0].message().lower(), [e.message() for e in errors]
+    results = {result.get_response().id: result for result, error in received if error is None}
+    assert sorted(results) == sorted(f"r{i}" for i in range(12) if i != 5)
+    for result in results.values():
+        assert len(json.loads(result.as_numpy("detections")[0])["detections"]) == 1
+    assert "Traceback" not in server.log()
+
+
+def test_a_client_that_closes_its_stream_mid_flight_leaves_the_server_serving(server, client):
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        def requests():
+            for i in range(8):
+                request = service_pb2.ModelInferRequest(model_name="blob", id=f"c{i}")
+                request.inputs.add(name="image", datatype="BYTES", shape=[1])
+                request.inputs[0].contents.bytes_contents.append(encode(RED_GREEN))
+                yield request
+
+        stream = stub.ModelStreamInfer(requests(), timeout=60)
+        first = next(stream)
+        assert first.infer_response.id.startswith("c") and not first.error_message
+        stream.cancel()
+    assert client.is_server_ready()
+    result = client.infer("blob", [files_input([encode(BLUE)])], outputs=[triton.InferRequestedOutput("detections")])
+    assert len(json.loads(result.as_numpy("detections")[0])["detections"]) == 1
+    assert "Traceback" not in server.log()
+
+
 def test_reserved_and_unused_parameters_pass_and_numbers_may_be_strings(stub, client):
     """Triton's C++ client adds triton_-prefixed parameters (tritonclient.grpc refuses to send them itself);
     KServe's gRPC SDK sends numbers as strings."""

@@ -12,8 +12,10 @@ Called in the gRPC server's worker threads; everything here is thread-safe.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Optional
 from urllib.parse import unquote
@@ -190,6 +192,66 @@ class Admission:
         finally:
             with self._lock:
                 self.in_flight -= 1
+
+
+class Streams:
+    """The requests of bidirectional streams (ModelStreamInfer), run at once on a pool of their own.
+
+    Each stream has at most `limit` requests in flight (http_threads); its reader waits for room before it
+    reads the next, so a client that floods a stream is slowed by gRPC's flow control, never buffered here.
+    The model's work inside each request still passes Admission, as a unary call's does. Thread-safe.
+    """
+
+    _READ_ALL = object()  # the reader's last word: every request of the stream has been handed out
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="grpc-stream")
+
+    def serve(self, requests, context, answer):
+        """Yield `answer(request, context)` for each request of the stream as it finishes, until the client has
+        sent its last request and every answer is out, or until the client goes away."""
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        room = threading.Semaphore(self._limit)
+        gone = threading.Event()
+        context.add_callback(lambda: (gone.set(), answers.put(self._READ_ALL)))
+
+        def run(request):
+            try:
+                answers.put(answer(request, context))
+            finally:
+                room.release()
+
+        def read():
+            count = 0
+            try:
+                for request in requests:
+                    while not room.acquire(timeout=0.5):
+                        if gone.is_set():
+                            return
+                    if gone.is_set():
+                        return
+                    count += 1
+                    self._pool.submit(run, request)
+            except Exception as exc:  # the client cancelled, or the connection broke, while we read
+                log.debug("a stream ended while reading: %s", exc)
+            finally:
+                answers.put((self._READ_ALL, count))
+
+        threading.Thread(target=read, name="grpc-stream-reader", daemon=True).start()
+        sent, total = 0, None
+        while total is None or sent < total:
+            item = answers.get()
+            if gone.is_set():
+                return
+            if isinstance(item, tuple) and item and item[0] is self._READ_ALL:
+                total = item[1]
+                continue
+            yield item
+            sent += 1
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def deadline_of(context, limit_s: float) -> float:

@@ -5,27 +5,34 @@ becomes the same InferRequest the HTTP route parses, runs through the same `infe
 batches, and its answer is the same tensors, written as raw_output_contents (as Triton writes them). Inputs come as
 `raw_input_contents` (one entry per input, BYTES as 4-byte little-endian lengths and bytes) or typed
 `contents`; every declared shape is checked against the data before anything is allocated from it.
-Methods: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer, and the
-repository extension (RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload); the others answer
-UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/calls.py.
+Methods: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer,
+ModelStreamInfer (each request answered on the stream, with its id; a failed one with its error_message, the
+stream going on), and the repository extension (RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload);
+the others answer UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/calls.py.
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from google.protobuf import json_format
 
-from ..errors import InvalidBody
+from ..errors import InvalidBody, RequestError
+from ..protocol import context as request_context
 from ..protocol import repository, v2
 from ..protocol.plane import DataPlane
 from ..protocol.v2_codec import (
     DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_requested_output,
     check_shape, check_unique_inputs, element_count, refuse_shared_memory, serialize_bytes,
 )
-from .calls import Admission, deadline_of
+from ..timeline import Timeline
+from .calls import Admission, Streams, deadline_of
 from .protos import grpc_service_pb2 as pb
 from .protos import grpc_service_pb2_grpc as pb_grpc
 from .protos import model_config_pb2
+
+log = logging.getLogger(__name__)
 
 # Where each datatype's elements go in InferTensorContents; FP16 has no field (send it raw).
 CONTENTS_FIELDS = {
@@ -38,9 +45,10 @@ CONTENTS_FIELDS = {
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """inference.GRPCInferenceService over the data plane; called in gRPC worker threads."""
 
-    def __init__(self, plane: DataPlane, admission: Admission):
+    def __init__(self, plane: DataPlane, admission: Admission, streams: "Streams"):
         self._plane = plane
         self._admission = admission
+        self._streams = streams
 
     def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -76,6 +84,50 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                             self._admission.admit)
         return infer_response(inferred.model_name, inferred.version, inferred.request_id,
                               [tensor for tensor, _ in inferred.tensors])
+
+    def ModelStreamInfer(self, request_iterator, context):
+        """Answer each request on the stream on the stream, in the order they finish, each with its id.
+
+        Requests run at once, as unary ModelInfer calls do (the same admission, deadline and batching), so a
+        client with several in flight on one stream gets them batched. A request that fails is answered with
+        its `error_message` and the stream goes on. A client that closes the stream stops it: what it had in
+        flight finishes in the model, and its answers are dropped.
+        """
+        return self._streams.serve(request_iterator, context, self._stream_answer)
+
+    def _stream_answer(self, request, context):
+        """One request of a stream, in a request context of its own: its answer, or its error as Triton sends it."""
+        parameters = {}
+        final = request.parameters.get("triton_enable_empty_final_response")
+        if final is not None and final.bool_param:
+            parameters["triton_final_response"] = pb.InferParameter(bool_param=True)
+        try:
+            response = self._observed(lambda: self.ModelInfer(request, context))
+        except Exception as error:
+            if isinstance(error, RequestError):
+                message = error.message
+            else:
+                log.exception("unexpected error in a ModelStreamInfer request")
+                message = "an internal error occurred; it has been logged"
+            return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version, id=request.id,
+                parameters=parameters))
+        for key, value in parameters.items():
+            response.parameters[key].CopyFrom(value)
+        return pb.ModelStreamInferResponse(infer_response=response)
+
+    def _observed(self, call):
+        """Run `call` in a request context of its own, recording its stages as the interceptor does a unary call's."""
+        token = request_context.begin(Timeline())
+        try:
+            answer = call()
+            timeline = request_context.timeline()
+            if "decode" in timeline.seconds:
+                timeline.lap("encode")
+                self._plane.metrics.observe_stages(request_context.model_name(), timeline)
+            return answer
+        finally:
+            request_context.end(token)
 
     def RepositoryIndex(self, request, context):
         rows = repository.index_rows(self._plane, request.ready)

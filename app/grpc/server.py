@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..protocol.plane import DataPlane
-from .calls import Admission, CallInterceptor, answer_unimplemented
+from .calls import Admission, CallInterceptor, Streams, answer_unimplemented
 from .health import HealthServicer
 from .kserve import InferenceServicer
 from .protos import grpc_service_pb2
@@ -46,6 +46,7 @@ class GrpcServer:
     def __init__(self, plane: DataPlane):
         settings = plane.settings
         self.admission = Admission(settings.http_threads, plane.lifecycle)
+        self._streams = Streams(settings.http_threads)
         plane.metrics.watch_grpc_in_flight(lambda: self.admission.in_flight)
         threads = settings.http_threads + CONTROL_THREADS
         self._server = grpc.server(
@@ -58,7 +59,7 @@ class GrpcServer:
             ])
         kserve, prediction, model_service = SERVICE_NAMES
         kserve_grpc.add_GRPCInferenceServiceServicer_to_server(answer_unimplemented(
-            InferenceServicer(plane, self.admission), kserve_grpc.GRPCInferenceServiceServicer, kserve), self._server)
+            InferenceServicer(plane, self.admission, self._streams), kserve_grpc.GRPCInferenceServiceServicer, kserve), self._server)
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(answer_unimplemented(
             PredictionServicer(plane, self.admission), prediction_service_pb2_grpc.PredictionServiceServicer,
             prediction), self._server)
@@ -88,3 +89,4 @@ class GrpcServer:
 
     def stop(self) -> None:
         self._server.stop(0)
+        self._streams.stop()
