@@ -87,6 +87,12 @@ def test_a_whole_answer_keeps_the_app_s_headers_but_not_its_server_and_date(twin
     assert body == b"whole answer\n"
 
 
+def test_headers_that_are_not_a_list_are_the_app_s_error_where_twisted_only_warns(twins):
+    theirs, ours = both(twins, request("GET", "/headers-tuple"))
+    assert theirs.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert ours.startswith(b"HTTP/1.1 500 Internal Server Error\r\n")
+
+
 def environ_seen(twins, side: str, raw: bytes) -> dict:
     answer = exchange(twins[side], raw)
     shown = json.loads(answer.partition(b"\r\n\r\n")[2])

@@ -79,9 +79,14 @@ def bytes_status(environ, start_response):
     return []
 
 
+def headers_tuple(environ, start_response):
+    start_response("200 OK", (("Content-Length", "0"),))
+    return []
+
+
 ROUTES = {"/environ": environ_answer, "/whole": whole, "/no-type": no_type, "/stream": stream,
           "/write": write_callable, "/raise-before": raise_before, "/raise-after": raise_after,
-          "/bytes-status": bytes_status}
+          "/bytes-status": bytes_status, "/headers-tuple": headers_tuple}
 
 
 def app(environ, start_response):
