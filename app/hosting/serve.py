@@ -260,7 +260,8 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
     from twisted.internet import reactor
     from twisted.python.threadpool import ThreadPool
 
-    from .site import DetectSite, ProbeFirstRoot, TimedWSGIResource, whole_body_input
+    from .site import DetectSite, ProbeFirstRoot
+    from .wsgi import TimedWSGIResource, whole_body_input
 
     wsgi_app = whole_body_input(app)
     resources, pools = [], []

@@ -1,8 +1,8 @@
 """Twisted's side of HTTP: a Site that limits bodies before buffering them, logs access, and drains.
 
 Twisted buffers a whole request body before the WSGI app sees it, so the body limit is enforced
-here, as the bytes arrive (Content-Length and chunked alike), and again by Flask.
-Everything here runs in the reactor (I/O) thread.
+here, as the bytes arrive (Content-Length and chunked alike), and again by Flask. The WSGI gateway the
+Site routes to is app/hosting/wsgi.py. Everything here runs in the reactor (I/O) thread.
 """
 
 from __future__ import annotations
@@ -10,116 +10,22 @@ from __future__ import annotations
 import inspect
 import io
 import logging
-import sys
 import time
 from typing import Callable, Optional
 
 from twisted.internet import defer, task
-from twisted.python.failure import Failure
 from twisted.web import http, resource, server
-from twisted.web.wsgi import WSGIResource, _WSGIResponse
 
 from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, Overloaded, RequestError, http_status
 from ..http.errors import ErrorAnswer, error_answer
 from ..http.paths import Target, inference_target, protocol_of
 from ..settings import Settings
-from ..timeline import RECEIVED_KEY, TIMELINE_KEY, Timeline
+from ..timeline import TIMELINE_KEY, Timeline
 from . import listening
 from .lifecycle import PROBE_PATHS, PROBE_USER_AGENT
 
 access_log = logging.getLogger("app.access")
 log = logging.getLogger(__name__)
-
-
-def whole_body_input(app):
-    """Wrap a WSGI app to tell it the input stream ends at the body's end.
-
-    Twisted hands the app a fully buffered body, so reading to EOF is safe; without this flag
-    Werkzeug reads nothing from a chunked body, which has no Content-Length.
-    """
-
-    def wrapped(environ, start_response):
-        environ["wsgi.input_terminated"] = True
-        return app(environ, start_response)
-
-    return wrapped
-
-
-WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
-
-
-class _WholeAnswer(_WSGIResponse):
-    """Twisted's WSGI response, handing a whole answer of known length to the I/O thread in one call.
-
-    Twisted's own hands each chunk over with blockingCallFromThread (the request thread waits for the
-    I/O thread to write it, then wakes) and then the finish with another call: three thread wake-ups per
-    answer, each a quarter of a millisecond on an idle virtual CPU. An answer with a Content-Length (every
-    answer this app builds, errors included) is gathered and handed over once, with its finish; the
-    request thread does not wait. Streamed answers (no Content-Length, or over WHOLE_ANSWER_BYTES) keep
-    Twisted's way, chunk by chunk.
-    """
-
-    def run(self):
-        try:
-            answer = self.application(self.environ, self.startResponse)
-            try:
-                length = next((v for k, v in getattr(self, "headers", ()) if k.lower() == "content-length"), None)
-                if length is None or not length.isdigit() or int(length) > WHOLE_ANSWER_BYTES:
-                    self._stream(answer)
-                    return
-                body = b"".join(answer)
-            finally:
-                close = getattr(answer, "close", None)
-                if close is not None:
-                    close()
-        except BaseException:
-            self.reactor.callFromThread(self._failed, self.started, *sys.exc_info())
-        else:
-            self.reactor.callFromThread(self._send_whole, self.started, body)
-        self.started = True
-
-    def _stream(self, answer) -> None:
-        for chunk in answer:
-            if chunk:
-                self.write(chunk)
-            if self._requestFinished:
-                break
-        self.reactor.callFromThread(self._send_whole, self.started, b"")
-
-    def _send_whole(self, started: bool, body: bytes) -> None:
-        """In the I/O thread: the status and headers unless `started` (sent already), the body, then the finish."""
-        if self._requestFinished:
-            return
-        if not started:
-            self._sendResponseHeaders()
-        if body:
-            self.request.write(body)
-        self.request.finish()
-
-    def _failed(self, started, kind, value, traceback) -> None:
-        """In the I/O thread: what Twisted does when the app raises (it never should: it answers every error)."""
-        self._log.failure("WSGI application error", failure=Failure(value, kind, traceback))
-        if started:
-            self.request.loseConnection()
-        else:
-            self.request.setResponseCode(http.INTERNAL_SERVER_ERROR)
-            self.request.finish()
-
-
-class TimedWSGIResource(WSGIResource):
-    """Twisted's WSGI resource with a whole answer handed over at once, telling the app when its body began.
-
-    That mark starts the request's timeline (app/timeline.py); the environ is kept on the request, so
-    that the I/O thread can add the `write` stage when the answer has gone out. Twisted builds the
-    environ in its _WSGIResponse; render is otherwise Twisted's own.
-    """
-
-    def render(self, request):
-        response = _WholeAnswer(self._reactor, self._threadpool, self._application, request)
-        response.environ[RECEIVED_KEY] = getattr(request, "_started", 0.0) or time.monotonic()
-        request.wsgi_environ = response.environ
-        response.start()
-        return server.NOT_DONE_YET
 
 
 CONTROL_PATHS = (b"healthz", b"readyz", b"metrics", b"gpu")

@@ -1,0 +1,266 @@
+"""The service's WSGI gateway: the Flask app in a thread pool, a whole answer handed to the I/O thread at once.
+
+Twisted's WSGIResource hands each chunk of an answer to the I/O thread with blockingCallFromThread (the
+request thread waits for the I/O thread to write it, then wakes) and then the finish with another call:
+three thread wake-ups per answer, each a quarter of a millisecond on an idle virtual CPU
+(docs/concepts/latency.md). Here an answer with a Content-Length (every answer this app builds, errors
+included) is gathered and handed over once, with its finish, and the request thread does not wait.
+Streamed answers (no Content-Length, or over WHOLE_ANSWER_BYTES) keep Twisted's way, chunk by chunk.
+
+Changing that needs the object that drives one request, which Twisted keeps private
+(twisted.web.wsgi._WSGIResponse, no compatibility promise) and which this service used to subclass. This
+gateway is built on Twisted's public API only (Resource, Request, ThreadPool.callInThread,
+reactor.callFromThread, threads.blockingCallFromThread, Logger), so any Twisted release that keeps that
+API serves it, and twisted's version is not pinned. What the app and the client see is Twisted's own,
+byte for byte: the same environ, the same status line and headers (Server and Date stay Twisted's, no
+default Content-Type), the same 500 when the app raises; tests/test_wsgi_gateway.py serves one app
+through both gateways and compares the environs and the bytes on the wire. Two corners are stricter, said
+where they are: start_response's header types, and wsgi.errors' text with braces. It does what the
+subclass did per request, call for call, so it is as fast (scripts/ab.py on /detect found no difference
+beyond this machine's noise).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from twisted.internet import threads
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import http, resource, server
+
+from ..timeline import RECEIVED_KEY
+
+WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
+
+
+def whole_body_input(app):
+    """Wrap a WSGI app to tell it the input stream ends at the body's end.
+
+    Twisted hands the app a fully buffered body, so reading to EOF is safe; without this flag
+    Werkzeug reads nothing from a chunked body, which has no Content-Length.
+    """
+
+    def wrapped(environ, start_response):
+        environ["wsgi.input_terminated"] = True
+        return app(environ, start_response)
+
+    return wrapped
+
+
+class TimedWSGIResource(resource.Resource):
+    """Host a WSGI app at this resource and below, telling the app when its request's body began.
+
+    That mark starts the request's timeline (app/timeline.py); the environ is kept on the request
+    (`request.wsgi_environ`), so that the I/O thread can add the `write` stage when the answer has gone out.
+    """
+
+    isLeaf = True  # every path below belongs to the app
+
+    def __init__(self, reactor, threadpool, application):
+        super().__init__()
+        self._reactor = reactor
+        self._threadpool = threadpool
+        self._application = application
+
+    def render(self, request):
+        answer = WholeAnswer(self._reactor, self._application, request)
+        answer.environ[RECEIVED_KEY] = getattr(request, "_started", 0.0) or time.monotonic()
+        request.wsgi_environ = answer.environ
+        self._threadpool.callInThread(answer.run)
+        return server.NOT_DONE_YET
+
+
+class WholeAnswer:
+    """Run the app for one request in a WSGI thread and write its answer through the I/O thread.
+
+    Built in the I/O thread; `run` and the WSGI callables run in a WSGI thread, and hand every touch of
+    the request to the I/O thread with callFromThread. `started` (status and headers sent) belongs to the
+    WSGI thread; `finished` (the request is finished or its connection lost) is set in the I/O thread.
+    """
+
+    _log = Logger()
+
+    def __init__(self, reactor, application, request):
+        self.reactor = reactor
+        self.application = application
+        self.request = request
+        self.started = False
+        self.finished = False
+        self.status: str = ""
+        self.headers: list = []
+        request.notifyFinish().addBoth(self._finish_noted)
+        self.environ = wsgi_environ(request)
+        request.defaultContentType = None  # the app decides every header
+
+    def _finish_noted(self, result) -> None:
+        self.finished = True
+
+    def start_response(self, status, headers, exc_info=None):
+        """The WSGI start_response: keep the status and headers until the answer goes out (PEP 3333).
+
+        Stricter than Twisted's, which lets any sequence pass with a RuntimeWarning: headers must be a list of
+        (str, str) tuples, as PEP 3333 says and Werkzeug always gives.
+        """
+        if self.started and exc_info is not None:
+            raise exc_info[1].with_traceback(exc_info[2])
+        if not isinstance(status, str):
+            raise TypeError(f"status must be str, not {status!r} ({type(status).__name__})")
+        if not isinstance(headers, list):
+            raise TypeError(f"headers must be a list, not {headers!r} ({type(headers).__name__})")
+        for header in headers:
+            if not (isinstance(header, tuple) and len(header) == 2 and all(isinstance(e, str) for e in header)):
+                raise TypeError(f"header must be a (str, str) tuple, not {header!r}")
+        self.status = status
+        self.headers = headers
+        return self.write
+
+    def write(self, data: bytes) -> None:
+        """The WSGI write callable: send one chunk (the status and headers first), waiting until it is written."""
+
+        def write_in_io_thread(started):
+            if not started:
+                self._send_headers()
+            self.request.write(data)
+
+        try:
+            threads.blockingCallFromThread(self.reactor, write_in_io_thread, self.started)
+        finally:
+            self.started = True
+
+    def run(self) -> None:
+        """In a WSGI thread: call the app, then hand its whole answer, or its failure, to the I/O thread."""
+        try:
+            answer = self.application(self.environ, self.start_response)
+            try:
+                length = next((v for k, v in self.headers if k.lower() == "content-length"), None)
+                if length is None or not length.isdigit() or int(length) > WHOLE_ANSWER_BYTES:
+                    self._stream(answer)
+                    return
+                body = b"".join(answer)
+            finally:
+                close = getattr(answer, "close", None)
+                if close is not None:
+                    close()
+        except BaseException:
+            self.reactor.callFromThread(self._failed, self.started, *sys.exc_info())
+        else:
+            self.reactor.callFromThread(self._send_whole, self.started, body)
+        self.started = True
+
+    def _stream(self, answer) -> None:
+        for chunk in answer:
+            if chunk:
+                self.write(chunk)
+            if self.finished:
+                break
+        self.reactor.callFromThread(self._send_whole, self.started, b"")
+
+    def _send_headers(self) -> None:
+        """In the I/O thread: set the status and the app's headers (all but Server and Date, which are Twisted's)."""
+        code, message = self.status.split(None, 1)
+        self.request.setResponseCode(int(code), message.encode("iso-8859-1"))
+        for name, value in self.headers:
+            if name.lower() not in ("server", "date"):
+                self.request.responseHeaders.addRawHeader(name.encode("iso-8859-1"), value.encode("iso-8859-1"))
+
+    def _send_whole(self, started: bool, body: bytes) -> None:
+        """In the I/O thread: the status and headers unless `started` (sent already), the body, then the finish."""
+        if self.finished:
+            return
+        if not started:
+            self._send_headers()
+        if body:
+            self.request.write(body)
+        self.request.finish()
+
+    def _failed(self, started, kind, value, traceback) -> None:
+        """In the I/O thread: log the app's exception (it never should raise: it answers every error), answer 500."""
+        self._log.failure("WSGI application error", failure=Failure(value, kind, traceback))
+        if started:
+            self.request.loseConnection()
+        else:
+            self.request.setResponseCode(http.INTERNAL_SERVER_ERROR)
+            self.request.finish()
+
+
+def wsgi_environ(request) -> dict:
+    """Build the WSGI environ of `request` (in the I/O thread), as Twisted's WSGIResource does."""
+    script_name = b"/" + b"/".join(request.prepath) if request.prepath else b""
+    path_info = b"/" + b"/".join(request.postpath) if request.postpath else b""
+    query = request.uri.split(b"?", 1)[1] if b"?" in request.uri else b""
+    peer = request.getClientAddress()
+    environ = {
+        "REQUEST_METHOD": _native(request.method),
+        "REMOTE_ADDR": _native(peer.host),
+        "REMOTE_PORT": _native(str(peer.port)),
+        "SCRIPT_NAME": _native(script_name),
+        "PATH_INFO": _native(path_info),
+        "QUERY_STRING": _native(query),
+        "CONTENT_TYPE": _native(request.getHeader(b"content-type") or ""),
+        "CONTENT_LENGTH": _native(request.getHeader(b"content-length") or ""),
+        "SERVER_NAME": _native(request.getRequestHostname()),
+        "SERVER_PORT": _native(str(request.getHost().port)),
+        "SERVER_PROTOCOL": _native(request.clientproto),
+    }
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        # A header's newlines would break the environ's one-line values; Twisted blanks them too.
+        environ["HTTP_" + _native(name).upper().replace("-", "_")] = ",".join(_native(v) for v in values).replace(
+            "\n", " ")
+    environ.update({
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": "https" if request.isSecure() else "http",
+        "wsgi.run_once": False,
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": False,
+        "wsgi.errors": ErrorStream(),
+        # The I/O thread has finished writing the body; from here only the WSGI thread reads it.
+        "wsgi.input": InputStream(request.content),
+    })
+    return environ
+
+
+def _native(value: str | bytes) -> str:
+    """A WSGI native string: bytes as ISO-8859-1 characters (PEP 3333)."""
+    if isinstance(value, str):
+        return value.encode("iso-8859-1").decode("iso-8859-1")
+    return value.decode("iso-8859-1")
+
+
+class InputStream:
+    """The app's `wsgi.input`: the request's buffered body, read in a WSGI thread (PEP 3333's four methods)."""
+
+    def __init__(self, content):
+        self._content = content
+
+    def read(self, size=None):
+        return self._content.read() if size is None else self._content.read(size)
+
+    def readline(self, size=None):
+        return self._content.readline() if size is None or size == -1 else self._content.readline(size)
+
+    def readlines(self, hint=None):
+        return self._content.readlines() if hint is None else self._content.readlines(hint)
+
+    def __iter__(self):
+        return iter(self._content)
+
+
+class ErrorStream:
+    """The app's `wsgi.errors`: each write is an error event in Twisted's log, from the system `wsgi`."""
+
+    _log = Logger()
+
+    def write(self, data: str) -> None:
+        if not isinstance(data, str):
+            raise TypeError(f"write() argument must be str, not {data!r} ({type(data).__name__})")
+        # The text is a field, not the format, so a brace in it does not garble the line (Twisted's own uses
+        # it as the format); without braces the logged line is the same.
+        self._log.error("{text}", text=data, system="wsgi", isError=True)
+
+    def writelines(self, lines) -> None:
+        self.write("".join(lines))
+
+    def flush(self) -> None:
+        """Nothing is buffered (PEP 3333 still asks for the method)."""
