@@ -5,8 +5,10 @@
 - Every block marked `<!-- test: run -->` in README.md and docs/ runs against a real server on the committed
   models, as a reader would run it (curl, the Python examples): each command must succeed (or exit as the
   marker says), and an answer shown under a command must have the same shape as the real one: the same
-  keys and types, not the same timings or scores. Options after `run`: `exit=N` (the exit status
-  expected), `cwd=repo` (run in the repository's root, for commands that name its files).
+  keys and types, not the same timings or scores. Option after `run`: `exit=N` (the exit status expected).
+  Every example runs in the repository's root, as a reader types it there: the images they send are the
+  committed ones in samples/, and this test makes no file for them (tests/test_newcomer.py runs the README's
+  and the tutorials' in a fresh clone, in the venv `scripts/run` builds).
 """
 
 from __future__ import annotations
@@ -253,18 +255,8 @@ def example_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A folder with the files the examples name, and a `python` that is this venv's."""
-    import skimage.data
-    from PIL import Image
-
-    from app.training.data import scene
-
+    """A folder whose bin/ holds a `python` that is this venv's, for the examples that name `.venv/bin/python`."""
     folder = tmp_path_factory.mktemp("docs-examples")
-    astronaut = Image.fromarray(skimage.data.astronaut())
-    for name in ("astronaut.jpg", "photo.jpg", "a.jpg"):
-        astronaut.save(folder / name, quality=95)
-    astronaut.resize((256, 256)).save(folder / "b.png")
-    Image.fromarray(scene("heldout", 20261202, 0).image).save(folder / "scene.jpg", quality=90)
     bin_dir = folder / "bin"
     bin_dir.mkdir()
     wrapper = bin_dir / "python"  # a script, not a link: a link to a venv's python does not find the venv
@@ -283,8 +275,7 @@ def run_step(step: Step, block: Block, port: int, workdir: Path, grpc_port: int 
         command = re.sub(r"(^|\n|&&\s*|\|\s*)curl ", r"\1curl -sS --fail-with-body ", command)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env.update(PATH=f"{workdir / 'bin'}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    cwd = ROOT if block.options.get("cwd") == "repo" else workdir
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.parametrize("page", sorted({block.page for block in ALL_BLOCKS}))
@@ -294,7 +285,7 @@ def test_the_documented_examples_run_and_answer_as_shown(page, example_server, w
         if block.lang == "python":
             code = block.body.replace("localhost:8000", f"localhost:{example_server.port}").replace(
                 "localhost:8001", f"localhost:{example_server.grpc_port}")
-            result = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True,
+            result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                     timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
             assert result.returncode == 0, f"{where}: the Python example failed:\n{result.stderr[-3000:]}"
             continue
