@@ -265,14 +265,18 @@ def workdir(tmp_path_factory) -> Path:
     return folder
 
 
+def failing_on_http_errors(command: str) -> str:
+    """Make each curl of a command fail on a 4xx or 5xx answer, showing its body, as a reader would notice it."""
+    return re.sub(r"(^|\n|&&\s*|\|\s*)curl ", r"\1curl -sS --fail-with-body ", command)
+
+
 def run_step(step: Step, block: Block, port: int, workdir: Path, grpc_port: int | None = None
              ) -> subprocess.CompletedProcess:
     command = step.command.replace("localhost:8000", f"localhost:{port}").replace(".venv/bin/python", "python")
     if grpc_port is not None:  # the gRPC examples name serve's default gRPC port, 8001
         command = command.replace("localhost:8001", f"localhost:{grpc_port}")
-    expected_exit = int(block.options.get("exit", 0))
-    if expected_exit == 0:  # a 4xx or 5xx answer fails the step, and its body is shown
-        command = re.sub(r"(^|\n|&&\s*|\|\s*)curl ", r"\1curl -sS --fail-with-body ", command)
+    if int(block.options.get("exit", 0)) == 0:
+        command = failing_on_http_errors(command)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env.update(PATH=f"{workdir / 'bin'}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -327,3 +331,45 @@ def test_the_metrics_reference_lists_every_series_a_running_server_exposes(examp
     for name, kind in exposed:
         shown = name + ("_total" if kind == "counter" and not name.endswith("_total") else "")
         assert f"| `{shown}` | {kind} |" in reference, f"{name} ({kind}) is not in the metrics reference"
+
+
+# The site in a browser ----------------------------------------------------------------------------------------
+
+LAYOUT = """() => {
+  const problems = [];
+  for (const code of document.querySelectorAll('.md-typeset table code')) {
+    if (code.getClientRects().length > 1) problems.push('a name breaks across lines: ' + code.textContent);
+  }
+  const text = document.querySelector('.md-content__inner').getBoundingClientRect();
+  for (const wrap of document.querySelectorAll('.md-typeset__scrollwrap')) {
+    const heading = wrap.querySelector('th') ? wrap.querySelector('th').textContent : '?';
+    if (wrap.getBoundingClientRect().right > text.right + 1) problems.push('a table runs off the page: ' + heading);
+    const scrolls = ['auto', 'scroll'].includes(getComputedStyle(wrap).overflowX);
+    if (wrap.scrollWidth > wrap.clientWidth + 1) {
+      problems.push((scrolls ? 'a table scrolls: ' : 'a table is cut off: ') + heading);
+    }
+  }
+  return problems;
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("page, may_scroll", [("reference/settings.html", False), ("how-to/coming-from.html", False),
+                                              ("reference/metrics.html", True), ("reference/errors.html", True)])
+def test_reference_tables_fit_a_1280_px_window_without_breaking_a_name(site, page, may_scroll):
+    """In Chromium at 1280 px: no name in a table breaks mid-word, and a table fits the page or scrolls in its box."""
+    from test_page import CHROMIUM, CHROMIUM_ARGS, _sync_playwright
+
+    shots = ROOT / "out" / "docs"
+    shots.mkdir(parents=True, exist_ok=True)
+    with _sync_playwright()() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            view = browser.new_page(viewport={"width": 1280, "height": 900})
+            view.goto((site / page).as_uri())
+            problems = view.evaluate(LAYOUT)
+            view.screenshot(path=str(shots / (page.replace("/", "-") + ".png")))
+        finally:
+            browser.close()
+    allowed = ("a table scrolls: ",) if may_scroll else ()
+    assert [p for p in problems if not p.startswith(allowed)] == [], page
