@@ -82,12 +82,13 @@ class Block:
         raise AssertionError(f"{self.page}:{self.line}: a runnable block must be console, sh or python")
 
 
-def runnable_blocks(path: Path) -> list[Block]:
+def runnable_blocks(path: Path, root: Path = ROOT) -> list[Block]:
+    """The `<!-- test: run -->` blocks of a page, named by its path under `root` (a checkout)."""
     text = path.read_text()
     blocks = []
     for match in MARKER.finditer(text):
         options = dict(item.split("=", 1) for item in match.group("options").split())
-        blocks.append(Block(str(path.relative_to(ROOT)), text[:match.start()].count("\n") + 2, match.group("lang"),
+        blocks.append(Block(str(path.relative_to(root)), text[:match.start()].count("\n") + 2, match.group("lang"),
                             match.group("body"), options))
     return blocks
 

@@ -127,7 +127,7 @@ def test_a_fresh_clone_runs_the_readme_and_the_tutorials_as_written(tmp_path, ca
 
         ran = 0
         for page in PAGES:
-            for block in runnable_blocks(clone / page):
+            for block in runnable_blocks(clone / page, clone):
                 where = f"{page}:{block.line}"
                 if block.lang == "python":
                     result = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", block.body], cwd=clone,
