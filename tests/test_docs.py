@@ -341,7 +341,7 @@ LAYOUT = """() => {
   for (const code of document.querySelectorAll('.md-typeset table code')) {
     if (code.getClientRects().length > 1) problems.push('a name breaks across lines: ' + code.textContent);
   }
-  const text = document.querySelector('.md-content__inner').getBoundingClientRect();
+  const text = document.querySelector('.md-content').getBoundingClientRect();  // the scroll box bleeds into the padding
   for (const wrap of document.querySelectorAll('.md-typeset__scrollwrap')) {
     const heading = wrap.querySelector('th') ? wrap.querySelector('th').textContent : '?';
     if (wrap.getBoundingClientRect().right > text.right + 1) problems.push('a table runs off the page: ' + heading);

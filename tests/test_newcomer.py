@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -168,3 +169,12 @@ def test_a_fresh_clone_runs_the_readme_and_the_tutorials_as_written(tmp_path, ca
     finally:
         for instance in reversed(instances):
             instance.stop()
+
+
+def test_every_console_block_of_the_readme_and_the_tutorials_is_run():
+    """A `$ ` command a newcomer may copy is one that the test above types: no console block goes unmarked."""
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        consoles = len(re.findall(r"^```console$", text, re.MULTILINE))
+        marked = sum(block.lang == "console" for block in runnable_blocks(ROOT / page))
+        assert consoles == marked, f"{page}: {consoles - marked} console block(s) without <!-- test: run -->"
