@@ -5,8 +5,10 @@
 - Every block marked `<!-- test: run -->` in README.md and docs/ runs against a real server on the committed
   models, as a reader would run it (curl, the Python examples): each command must succeed (or exit as the
   marker says), and an answer shown under a command must have the same shape as the real one: the same
-  keys and types, not the same timings or scores. Options after `run`: `exit=N` (the exit status
-  expected), `cwd=repo` (run in the repository's root, for commands that name its files).
+  keys and types, not the same timings or scores. Option after `run`: `exit=N` (the exit status expected).
+  Every example runs in the repository's root, as a reader types it there: the images they send are the
+  committed ones in samples/, and this test makes no file for them (tests/test_newcomer.py runs the README's
+  and the tutorials' in a fresh clone, in the venv `scripts/run` builds).
 """
 
 from __future__ import annotations
@@ -78,12 +80,13 @@ class Block:
         raise AssertionError(f"{self.page}:{self.line}: a runnable block must be console, sh or python")
 
 
-def runnable_blocks(path: Path) -> list[Block]:
+def runnable_blocks(path: Path, root: Path = ROOT) -> list[Block]:
+    """The `<!-- test: run -->` blocks of a page, named by its path under `root` (a checkout)."""
     text = path.read_text()
     blocks = []
     for match in MARKER.finditer(text):
         options = dict(item.split("=", 1) for item in match.group("options").split())
-        blocks.append(Block(str(path.relative_to(ROOT)), text[:match.start()].count("\n") + 2, match.group("lang"),
+        blocks.append(Block(str(path.relative_to(root)), text[:match.start()].count("\n") + 2, match.group("lang"),
                             match.group("body"), options))
     return blocks
 
@@ -251,18 +254,8 @@ def example_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A folder with the files the examples name, and a `python` that is this venv's."""
-    import skimage.data
-    from PIL import Image
-
-    from app.training.data import scene
-
+    """A folder whose bin/ holds a `python` that is this venv's, for the examples that name `.venv/bin/python`."""
     folder = tmp_path_factory.mktemp("docs-examples")
-    astronaut = Image.fromarray(skimage.data.astronaut())
-    for name in ("astronaut.jpg", "photo.jpg", "a.jpg"):
-        astronaut.save(folder / name, quality=95)
-    astronaut.resize((256, 256)).save(folder / "b.png")
-    Image.fromarray(scene("heldout", 20261202, 0).image).save(folder / "scene.jpg", quality=90)
     bin_dir = folder / "bin"
     bin_dir.mkdir()
     wrapper = bin_dir / "python"  # a script, not a link: a link to a venv's python does not find the venv
@@ -271,18 +264,21 @@ def workdir(tmp_path_factory) -> Path:
     return folder
 
 
+def failing_on_http_errors(command: str) -> str:
+    """Make each curl of a command fail on a 4xx or 5xx answer, showing its body, as a reader would notice it."""
+    return re.sub(r"(^|\n|&&\s*|\|\s*)curl ", r"\1curl -sS --fail-with-body ", command)
+
+
 def run_step(step: Step, block: Block, port: int, workdir: Path, grpc_port: int | None = None
              ) -> subprocess.CompletedProcess:
     command = step.command.replace("localhost:8000", f"localhost:{port}").replace(".venv/bin/python", "python")
     if grpc_port is not None:  # the gRPC examples name serve's default gRPC port, 8001
         command = command.replace("localhost:8001", f"localhost:{grpc_port}")
-    expected_exit = int(block.options.get("exit", 0))
-    if expected_exit == 0:  # a 4xx or 5xx answer fails the step, and its body is shown
-        command = re.sub(r"(^|\n|&&\s*|\|\s*)curl ", r"\1curl -sS --fail-with-body ", command)
+    if int(block.options.get("exit", 0)) == 0:
+        command = failing_on_http_errors(command)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
     env.update(PATH=f"{workdir / 'bin'}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    cwd = ROOT if block.options.get("cwd") == "repo" else workdir
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.parametrize("page", sorted({block.page for block in ALL_BLOCKS}))
@@ -292,7 +288,7 @@ def test_the_documented_examples_run_and_answer_as_shown(page, example_server, w
         if block.lang == "python":
             code = block.body.replace("localhost:8000", f"localhost:{example_server.port}").replace(
                 "localhost:8001", f"localhost:{example_server.grpc_port}")
-            result = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True,
+            result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                     timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
             assert result.returncode == 0, f"{where}: the Python example failed:\n{result.stderr[-3000:]}"
             continue
@@ -334,3 +330,45 @@ def test_the_metrics_reference_lists_every_series_a_running_server_exposes(examp
     for name, kind in exposed:
         shown = name + ("_total" if kind == "counter" and not name.endswith("_total") else "")
         assert f"| `{shown}` | {kind} |" in reference, f"{name} ({kind}) is not in the metrics reference"
+
+
+# The site in a browser ----------------------------------------------------------------------------------------
+
+LAYOUT = """() => {
+  const problems = [];
+  for (const code of document.querySelectorAll('.md-typeset table code')) {
+    if (code.getClientRects().length > 1) problems.push('a name breaks across lines: ' + code.textContent);
+  }
+  const text = document.querySelector('.md-content').getBoundingClientRect();  // the scroll box bleeds into the padding
+  for (const wrap of document.querySelectorAll('.md-typeset__scrollwrap')) {
+    const heading = wrap.querySelector('th') ? wrap.querySelector('th').textContent : '?';
+    if (wrap.getBoundingClientRect().right > text.right + 1) problems.push('a table runs off the page: ' + heading);
+    const scrolls = ['auto', 'scroll'].includes(getComputedStyle(wrap).overflowX);
+    if (wrap.scrollWidth > wrap.clientWidth + 1) {
+      problems.push((scrolls ? 'a table scrolls: ' : 'a table is cut off: ') + heading);
+    }
+  }
+  return problems;
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("page, may_scroll", [("reference/settings.html", False), ("how-to/coming-from.html", False),
+                                              ("reference/metrics.html", True), ("reference/errors.html", True)])
+def test_reference_tables_fit_a_1280_px_window_without_breaking_a_name(site, page, may_scroll):
+    """In Chromium at 1280 px: no name in a table breaks mid-word, and a table fits the page or scrolls in its box."""
+    from test_page import CHROMIUM, CHROMIUM_ARGS, _sync_playwright
+
+    shots = ROOT / "out" / "docs"
+    shots.mkdir(parents=True, exist_ok=True)
+    with _sync_playwright()() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            view = browser.new_page(viewport={"width": 1280, "height": 900})
+            view.goto((site / page).as_uri())
+            problems = view.evaluate(LAYOUT)
+            view.screenshot(path=str(shots / (page.replace("/", "-") + ".png")))
+        finally:
+            browser.close()
+    allowed = ("a table scrolls: ",) if may_scroll else ()
+    assert [p for p in problems if not p.startswith(allowed)] == [], page
