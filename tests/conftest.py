@@ -232,6 +232,28 @@ def server(blob_model_dir, tmp_path_factory):
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def perf_analyzer() -> list[str]:
+    """The argv prefix that starts Triton's perf_analyzer 2.60 (set up on first use); skip saying why if it cannot be."""
+    import clients
+
+    try:
+        return clients.perf_analyzer_command()
+    except clients.ClientUnavailable as error:
+        pytest.skip(f"perf_analyzer is not available here: {error}")
+
+
+@pytest.fixture(scope="session")
+def kserve_python() -> Path:
+    """The python of a venv holding KServe's SDK 0.21 (made on first use); skip saying why if it cannot be."""
+    import clients
+
+    try:
+        return clients.kserve_python()
+    except clients.ClientUnavailable as error:
+        pytest.skip(f"KServe's SDK is not available here: {error}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests where no NVIDIA driver is present."""
     if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version"):
