@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily
 
 from .errors import NvmlUnavailable
+from .statistics import InferenceStatistics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -28,6 +29,7 @@ class ServiceMetrics:
     """The server's counters and histograms; thread-safe (prometheus-client locks internally)."""
 
     def __init__(self, gpu_report=None):
+        self.statistics = InferenceStatistics()  # Triton's statistics extension, from the same observations
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("detect_http_requests", "HTTP requests by route, status and model.",
@@ -74,6 +76,7 @@ class ServiceMetrics:
         self.inference_latency.labels(model=model).observe(seconds)
         self.images_per_call.labels(model=model).observe(images)
         self.images.labels(model=model).inc(images)
+        self.statistics.observe_execution(model, images, seconds)
 
     def observe_stages(self, model: str, timeline) -> None:
         """Record where one inference request's time went (an app.timeline.Timeline)."""

@@ -91,7 +91,7 @@ def test_the_model_config_is_the_one_the_http_route_gives(client, server):
     assert over_grpc.dynamic_batching.default_queue_policy.max_queue_size > 0 and over_grpc.max_batch_size == 16
 
 
-@pytest.mark.parametrize("method", ["ModelStatistics", "SystemSharedMemoryStatus", "CudaSharedMemoryRegister",
+@pytest.mark.parametrize("method", ["SystemSharedMemoryStatus", "CudaSharedMemoryRegister",
                                     "TraceSetting", "LogSettings"])
 def test_a_method_the_server_lacks_answers_unimplemented_naming_it(stub, server, method):
     from tritonclient.grpc import service_pb2
@@ -102,6 +102,18 @@ def test_a_method_the_server_lacks_answers_unimplemented_naming_it(stub, server,
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert refused.value.details() == f"inference.GRPCInferenceService/{method} is not implemented by this server"
     assert "Traceback" not in server.log()
+
+
+def test_statistics_over_grpc_are_the_http_routes(client, server):
+    """ModelStatistics answers what GET /v2/models/blob/stats does, read at the same moment (nothing runs between)."""
+    from google.protobuf import json_format
+
+    client.infer("blob", [files_input([encode(BLUE)])])
+    status, _, over_http = server.request("GET", "/v2/models/blob/stats")
+    over_grpc = json_format.MessageToDict(client.get_inference_statistics("blob"), preserving_proto_field_name=True)
+    assert status == 200 and over_http["model_stats"][0]["inference_count"] >= 1
+    assert json_format.ParseDict(over_http, service_pb2.ModelStatisticsResponse()) == \
+        json_format.ParseDict(over_grpc, service_pb2.ModelStatisticsResponse())
 
 
 def test_tf_serving_classify_answers_unimplemented(tf_channel):
@@ -155,8 +167,9 @@ def test_a_client_that_closes_its_stream_mid_flight_leaves_the_server_serving(se
         assert first.infer_response.id.startswith("c") and not first.error_message
         stream.cancel()
     assert client.is_server_ready()
-    result = client.infer("blob", [files_input([encode(BLUE)])], outputs=[triton.InferRequestedOutput("detections")])
-    assert len(json.loads(result.as_numpy("detections")[0])["detections"]) == 1
+    result = client.infer("blob", [files_input([encode(RED_GREEN)])],
+                          outputs=[triton.InferRequestedOutput("detections")])
+    assert len(json.loads(result.as_numpy("detections")[0])["detections"]) == 2
     assert "Traceback" not in server.log()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import time
 
 import numpy as np
 import pytest
@@ -199,7 +200,6 @@ def test_health_answers_carry_kserves_bodies_and_keep_tritons_statuses(server):
 
 
 @pytest.mark.parametrize("method, path, extension", [
-    ("GET", "/v2/models/stats", "statistics"), ("GET", "/v2/models/blob/stats", "statistics"),
     ("POST", "/v2/systemsharedmemory/region/r/register", "system shared memory"),
     ("GET", "/v2/cudasharedmemory/status", "CUDA shared memory"), ("POST", "/v2/trace/setting", "trace"),
     ("GET", "/v2/logging", "logging"),
@@ -207,6 +207,42 @@ def test_health_answers_carry_kserves_bodies_and_keep_tritons_statuses(server):
 def test_an_extension_the_server_lacks_answers_400_naming_it_not_404(server, method, path, extension):
     status, _, body = server.request(method, path, b"{}" if method == "POST" else None)
     assert status == 400 and body == {"error": f"the {extension} extension is not implemented by this server"}
+
+
+def test_statistics_count_each_image_and_each_model_call_and_split_the_time(client, server):
+    """After N inferences of 2 images each, inference_count grew by 2N and execution_count by at most N; the stages
+    add up to the success time, which no more than the clients' own latency."""
+    def stats():
+        answer = client.get_inference_statistics("blob")
+        (entry,) = answer["model_stats"]
+        return entry
+
+    before = stats()
+    assert before["name"] == "blob" and before["version"] == "2"
+    batch = np.stack([RED_GREEN, RED_GREEN])
+    started = time.perf_counter()
+    with triton.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=8) as concurrent:
+        pending = [concurrent.async_infer("blob", [pixels_input(batch, True)]) for _ in range(16)]
+        for call in pending:
+            call.get_result()
+    elapsed_ns = (time.perf_counter() - started) * 1e9 * 8  # at most 8 requests in flight at once
+    after = stats()
+    assert after["inference_count"] - before["inference_count"] == 32
+    calls = after["execution_count"] - before["execution_count"]
+    assert 1 <= calls <= 16
+    done = {key: {k: after["inference_stats"][key][k] - before["inference_stats"][key][k] for k in ("count", "ns")}
+            for key in after["inference_stats"]}
+    assert done["success"]["count"] == 16 and done["fail"]["count"] == 0
+    parts = sum(done[key]["ns"] for key in ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert abs(parts - done["success"]["ns"]) <= 16 * 1000  # rounding to whole ns, per stage and request
+    assert 0 < done["compute_infer"]["ns"] and done["success"]["ns"] <= elapsed_ns
+    assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 0
+    sizes = {entry["batch_size"]: entry["compute_infer"]["count"] for entry in after["batch_stats"]}
+    assert sum(size * count for size, count in sizes.items()) >= 32
+    everyone = client.get_inference_statistics()
+    assert [m["name"] for m in everyone["model_stats"]] == ["blob"]
+    status, _, body = server.request("GET", "/v2/models/blob/versions/1/stats")
+    assert status == 404 and "version" in body["error"]
 
 
 def test_tritonclient_reports_a_refusal_with_the_servers_message(client):

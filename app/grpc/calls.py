@@ -75,6 +75,7 @@ class CallInterceptor(grpc.ServerInterceptor):
     """Check access, run each call in a request context, answer errors from GRPC_STATUS, and count every call."""
 
     def __init__(self, plane: DataPlane):
+        self._plane = plane
         self._restrictions = plane.restrictions
         self._metrics = plane.metrics
 
@@ -101,30 +102,27 @@ class CallInterceptor(grpc.ServerInterceptor):
     def _unary(self, behaviour, method: str, group: str, headers: dict):
         def guarded(request, context):
             started = time.perf_counter()
-            code, message, model = "OK", "", ""
+            code, message = "OK", ""
             token = request_context.begin(Timeline())
             try:
-                try:
-                    refused = self._refusal(group, headers, context)
-                    if refused is not None:
-                        raise refused
-                    answer = behaviour(request, context)
-                    timeline = request_context.timeline()
-                    if "decode" in timeline.seconds:  # it ran images: record where the time went
-                        timeline.lap("encode")
-                        self._metrics.observe_stages(request_context.model_name(), timeline)
-                    return answer
-                except RequestError as error:
-                    code, message = grpc_status(error), error.message
-                except Exception:
-                    log.exception("unexpected error in %s", method)
-                    code, message = "INTERNAL", "an internal error occurred; it has been logged"
-                finally:
-                    model = request_context.model_name()
-                    request_context.end(token)
-                context.abort(grpc.StatusCode[code], message)
+                refused = self._refusal(group, headers, context)
+                if refused is not None:
+                    raise refused
+                answer = behaviour(request, context)
+                observe_request(self._plane, answered=True)
+                return answer
+            except RequestError as error:
+                code, message = grpc_status(error), error.message
+            except Exception:
+                log.exception("unexpected error in %s", method)
+                code, message = "INTERNAL", "an internal error occurred; it has been logged"
             finally:
+                model = request_context.model_name()
+                if code != "OK":
+                    observe_request(self._plane, answered=False)
+                request_context.end(token)
                 self._metrics.observe_call(method, code, time.perf_counter() - started, model)
+            context.abort(grpc.StatusCode[code], message)
 
         return guarded
 
@@ -160,6 +158,16 @@ def _unimplemented(method: str):
         raise Unimplemented(f"{method} is not implemented by this server")
 
     return refuse
+
+
+def observe_request(plane: DataPlane, answered: bool) -> None:
+    """Record the current call's stages and statistics once it is answered or has failed (a unary call, or one
+    request of a stream); a call that ran images records where the time went."""
+    timeline = request_context.timeline()
+    if answered and "decode" in timeline.seconds:
+        timeline.lap("encode")
+        plane.metrics.observe_stages(request_context.model_name(), timeline)
+    plane.observe_statistics(answered)
 
 
 class Admission:

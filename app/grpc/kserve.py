@@ -6,7 +6,7 @@ batches, and its answer is the same tensors, written as raw_output_contents (as 
 `raw_input_contents` (one entry per input, BYTES as 4-byte little-endian lengths and bytes) or typed
 `contents`; every declared shape is checked against the data before anything is allocated from it.
 Methods: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer,
-ModelStreamInfer (each request answered on the stream, with its id; a failed one with its error_message, the
+ModelStatistics, ModelStreamInfer (each request answered on the stream, with its id; a failed one with its error_message, the
 stream going on), and the repository extension (RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload);
 the others answer UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/calls.py.
 """
@@ -24,10 +24,10 @@ from ..protocol import repository, v2
 from ..protocol.plane import DataPlane
 from ..protocol.v2_codec import (
     DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_requested_output,
-    check_shape, check_unique_inputs, element_count, refuse_shared_memory, serialize_bytes,
+    check_shape, check_unique_inputs, element_count, shared_memory_ref, tensor_bytes,
 )
 from ..timeline import Timeline
-from .calls import Admission, Streams, deadline_of
+from .calls import Admission, Streams, deadline_of, observe_request
 from .protos import grpc_service_pb2 as pb
 from .protos import grpc_service_pb2_grpc as pb_grpc
 from .protos import model_config_pb2
@@ -117,17 +117,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelStreamInferResponse(infer_response=response)
 
     def _observed(self, call):
-        """Run `call` in a request context of its own, recording its stages as the interceptor does a unary call's."""
+        """Run `call` in a request context of its own, recording it as the interceptor records a unary call."""
         token = request_context.begin(Timeline())
         try:
             answer = call()
-            timeline = request_context.timeline()
-            if "decode" in timeline.seconds:
-                timeline.lap("encode")
-                self._plane.metrics.observe_stages(request_context.model_name(), timeline)
+            observe_request(self._plane, answered=True)
             return answer
+        except Exception:
+            observe_request(self._plane, answered=False)
+            raise
         finally:
             request_context.end(token)
+
+    def ModelStatistics(self, request, context):
+        """Triton's statistics of every model (no name) or of one, as the HTTP stats routes give them."""
+        answer = v2.statistics(self._plane, request.name or None, request.version or None)
+        return json_format.ParseDict(answer, pb.ModelStatisticsResponse())
 
     def RepositoryIndex(self, request, context):
         rows = repository.index_rows(self._plane, request.ready)
@@ -155,10 +160,13 @@ def infer_request(request) -> InferRequest:
     """Read a ModelInferRequest as the HTTP route's parser reads a body; raise BadRequest naming what is wrong."""
     if not request.inputs:
         raise InvalidBody("the request has no inputs")
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidBody(f"raw_input_contents holds {len(raw)} entries for {len(request.inputs)} inputs; give one "
-                          "per input, in the inputs' order, or none")
+    raw = list(request.raw_input_contents)
+    placed = [shared_memory_ref(parameter_values(t.parameters, f"input {t.name[:40]!r}"), f"input {t.name[:40]!r}")
+              for t in request.inputs]
+    carried = sum(1 for ref in placed if ref is None)  # the inputs whose data is in the message
+    if raw and len(raw) != carried:
+        raise InvalidBody(f"raw_input_contents holds {len(raw)} entries for {carried} inputs; give one per input "
+                          "not in shared memory, in the inputs' order, or none")
     inputs = []
     for i, tensor in enumerate(request.inputs):
         name = _name(tensor.name, f"input {i}")
@@ -166,11 +174,15 @@ def infer_request(request) -> InferRequest:
         if tensor.datatype not in DATATYPES:
             raise InvalidBody(f"{where} has datatype {tensor.datatype[:20]!r}; the datatypes are {', '.join(DATATYPES)}")
         shape = check_shape(list(tensor.shape), where)
-        refuse_shared_memory(tensor.parameters, where)
+        if placed[i] is not None:
+            if tensor.HasField("contents"):
+                raise InvalidBody(f"{where} names a shared-memory region and also carries contents; send one")
+            inputs.append(Tensor(name, tensor.datatype, shape, None, binary=True, shared_memory=placed[i]))
+            continue
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidBody(f"{where} has both contents and raw_input_contents; send one")
-            data = binary_data(memoryview(raw[i]), tensor.datatype, shape, where)
+            data = binary_data(memoryview(raw.pop(0)), tensor.datatype, shape, where)
         elif tensor.HasField("contents"):
             data = typed_contents(tensor.contents, tensor.datatype, shape, where)
         else:
@@ -180,8 +192,8 @@ def infer_request(request) -> InferRequest:
     outputs, seen = [], set()
     for i, output in enumerate(request.outputs):
         name = _name(output.name, f"output {i}")
-        check_requested_output(name, output.parameters, seen)
-        outputs.append(RequestedOutput(name, True))
+        ref = check_requested_output(name, parameter_values(output.parameters, f"output {name!r}"), seen)
+        outputs.append(RequestedOutput(name, True, ref))
     parameters = parameter_values(request.parameters, "the request")
     parameters.pop("binary_data_output", None)  # gRPC answers are always raw
     return InferRequest(request.id or None, tuple(inputs), tuple(outputs) or None, True, parameters)
@@ -228,11 +240,15 @@ def typed_contents(contents, datatype: str, shape: tuple[int, ...], where: str):
 
 
 def infer_response(model_name: str, version, request_id, tensors: list[Tensor]):
-    """Write the answer, every output's data in raw_output_contents in the outputs' order, as Triton does."""
+    """Write the answer, every output's data in raw_output_contents in the outputs' order, as Triton does; an
+    output written into shared memory names its region and holds an empty entry there, keeping the order."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=version or "", id=request_id or "")
     for tensor in tensors:
-        response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape))
-        response.raw_output_contents.append(
-            serialize_bytes(tensor.data) if tensor.datatype == "BYTES"
-            else np.ascontiguousarray(tensor.data, dtype=NUMPY_TYPES[tensor.datatype]).tobytes())
+        output = response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape))
+        if tensor.shared_memory is not None:
+            output.parameters["shared_memory_region"].string_param = tensor.shared_memory.region
+            output.parameters["shared_memory_byte_size"].int64_param = tensor.shared_memory.byte_size
+            response.raw_output_contents.append(b"")
+        else:
+            response.raw_output_contents.append(tensor_bytes(tensor))
     return response

@@ -106,6 +106,7 @@ def _record_request(response):
     if timeline is not None and "decode" in timeline.seconds:  # the request ran images: its stages are recorded
         timeline.lap("encode")
         request.environ[TIMELINE_KEY] = (model, timeline)  # the I/O thread adds `write`, observes all
+    plane().observe_statistics(answered=response.status_code < 400)
     return response
 
 

@@ -207,6 +207,8 @@ def document(model_names: list[str], version: str, title: str) -> dict:
 
     config = _json({"type": "object", "required": ["name", "platform", "max_batch_size", "input", "output"]},
                    "Triton's model configuration, in its JSON form")
+    stats = _json({"type": "object", "required": ["model_stats"], "properties": {"model_stats": {"type": "array"}}},
+                  "Triton's statistics extension: counts and nanoseconds per stage")
 
     def v2_get(summary: str, ok: dict, params: list, errors: bool = True) -> dict:
         responses = {"200": ok, **(v2_errors if errors else {})}
@@ -290,6 +292,9 @@ def document(model_names: list[str], version: str, title: str) -> dict:
         "/v2/models/{name}/versions/{version}/ready": {"get": {
             "tags": ["v2"], "summary": "model readiness", "parameters": [name, version_param],
             "responses": {**v2_errors, **health("ready", name=True)}}},
+        "/v2/models/stats": v2_get("every model's statistics", stats, []),
+        "/v2/models/{name}/stats": v2_get("the model's statistics", stats, [name]),
+        "/v2/models/{name}/versions/{version}/stats": v2_get("the model's statistics", stats, [name, version_param]),
         "/v2/models/{name}/config": v2_get("model configuration", config, [name]),
         "/v2/models/{name}/versions/{version}/config": v2_get("model configuration", config, [name, version_param]),
         "/v2/models/{name}/infer": {"post": {**infer["post"], "parameters": [name, *infer_params]}},

@@ -59,6 +59,14 @@ def model_config(name: str, version: Optional[str] = None):
     return jsonify(v2.model_config(data_plane, model, v2.model_metadata(data_plane, model, data_plane.deadline())))
 
 
+@routes.get("/v2/models/stats")
+@routes.get("/v2/models/<name>/stats")
+@routes.get("/v2/models/<name>/versions/<version>/stats")
+def model_statistics(name: Optional[str] = None, version: Optional[str] = None):
+    """Triton's statistics: every model's, or one model's, as perf_analyzer reads them to split the server's time."""
+    return jsonify(v2.statistics(plane(), name, version))
+
+
 @routes.get("/v2/models/<name>/ready")
 @routes.get("/v2/models/<name>/versions/<version>/ready")
 def model_ready(name: str, version: Optional[str] = None):
@@ -94,7 +102,6 @@ def infer(name: str, version: Optional[str] = None):
 # Triton's extensions this server does not implement: each route answers 400 naming its extension, as Triton
 # answers the routes of an extension it was started without, and never 404 "no route".
 UNIMPLEMENTED_EXTENSIONS = {
-    "statistics": ("/v2/models/stats", "/v2/models/<name>/stats", "/v2/models/<name>/versions/<version>/stats"),
     "system shared memory": tuple(f"/v2/systemsharedmemory{region}/{verb}" for region in ("", "/region/<region>")
                                   for verb in ("status", "register", "unregister")),
     "CUDA shared memory": tuple(f"/v2/cudasharedmemory{region}/{verb}" for region in ("", "/region/<region>")

@@ -21,6 +21,8 @@ class RequestContext:
 
     timeline: Timeline = field(default_factory=Timeline)
     model: str = ""  # the model the request named, for the request metrics ("" before one is named)
+    ran: bool = False  # it reached its model (admitted to run images), so it counts in the model's statistics
+    images: int = 0  # the images it ran
 
 
 _current: ContextVar[Optional[RequestContext]] = ContextVar("detect_request", default=None)

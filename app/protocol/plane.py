@@ -26,6 +26,7 @@ from ..metrics import ServiceMetrics
 from ..settings import Settings
 from ..timeline import Timeline
 from . import context
+from .shared_memory import SharedMemoryRegions
 
 if TYPE_CHECKING:
     from ..gpu.report import GpuReport
@@ -75,9 +76,11 @@ class DataPlane:
     metrics: ServiceMetrics
     lifecycle: Optional[Lifecycle] = None
     restrictions: tuple[Restriction, ...] = field(init=False)
+    shared_memory: SharedMemoryRegions = field(init=False)  # the system shared-memory regions clients registered
 
     def __post_init__(self):
         self.restrictions = parse_restricted_api(self.settings.restricted_api)
+        self.shared_memory = SharedMemoryRegions()
 
     name = SERVER_NAME
 
@@ -136,10 +139,15 @@ class DataPlane:
         stages go to the request's timeline (app/protocol/context.py), which the front door started.
         """
         started = time.perf_counter()
-        timeline = context.timeline() or Timeline()
+        request = context.current()
+        timeline = request.timeline if request is not None else Timeline()
         model.admit()  # holds the model loaded, and starts loading it if it is not, while the images decode
+        if request is not None:
+            request.ran = True
         try:
             images = prepare()
+            if request is not None:
+                request.images = len(images)
             decoded = time.perf_counter()
             timeline.lap("decode")
             load_s = model.wait_ready(deadline)
@@ -158,6 +166,13 @@ class DataPlane:
         version = outputs[0].version if outputs and outputs[0].version else served_version(model)
         return Run(images, outputs, version, decode_s=decoded - started, load_s=load_s,
                    inference_s=finished - decoded - load_s, total_s=finished - started)
+
+    def observe_statistics(self, answered: bool) -> None:
+        """Count the current request in its model's statistics (app/statistics.py), if it reached the model;
+        the front door calls this once the answer is built, `answered` or failed."""
+        request = context.current()
+        if request is not None and request.ran:
+            self.metrics.statistics.observe_request(request.model, request.images, request.timeline.seconds, answered)
 
     def signature_of(self, model, deadline: float) -> dict:
         """Return the model's signature, from its last load; a model never loaded is loaded (within the

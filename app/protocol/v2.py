@@ -20,8 +20,8 @@ shape. The model metadata lists `image` and `detections` under parameters.extra_
 from __future__ import annotations
 
 import json
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..errors import BadRequest, InvalidBody, InvalidParameter
@@ -29,9 +29,9 @@ from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT,
 from ..inference.images import DecodedImage
 from .bodies import decode_base64
 from .plane import DataPlane, Run, image_answer, served_version
-from .v2_codec import InferRequest, Tensor
+from .v2_codec import InferRequest, Tensor, binary_data, tensor_bytes
 
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "parameters")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "parameters", "statistics")
 PLATFORM = "tensorflow_savedmodel"
 IMAGE_INPUT = "image"
 DETECTIONS_OUTPUT = "detections"
@@ -111,6 +111,14 @@ def model_config(plane: DataPlane, model, described: dict) -> dict:
     return config
 
 
+def statistics(plane: DataPlane, name: Optional[str] = None, version: Optional[str] = None) -> dict:
+    """Triton's statistics extension: every model's statistics, or the one `name` (and `version`, if given)
+    names; NotFound for an unknown model, VersionNotFound for a version it does not serve (app/statistics.py)."""
+    models = [plane.model(name, version)] if name else [plane.models.get(n) for n in plane.models.names()]
+    return {"model_stats": [plane.metrics.statistics.model_stats(model.name, served_version(model) or "")
+                            for model in models]}
+
+
 def model_metadata(plane: DataPlane, model, deadline: float) -> dict:
     """The metadata of `model`; a model never loaded is loaded first (within the deadline)."""
     return describe(model, plane.signature_of(model, deadline))
@@ -152,12 +160,54 @@ def infer(plane: DataPlane, model, parsed: InferRequest, deadline_within: Callab
     """
     options = request_options(parsed.parameters, plane.settings)
     deadline = deadline_within(options.timeout_s)
-    with admit(model):
-        signature = plane.signature_of(model, deadline)
-        prepare = request_images(plane, parsed, model, signature)
-        wanted = wanted_outputs(parsed, signature)
-        run = plane.run_images(model, prepare, deadline)
-    return Inferred(model.name, run.version, parsed.id, output_tensors(run, wanted, model.labels, options))
+    with ExitStack() as regions:  # the shared-memory regions the request names stay mapped until it is answered
+        parsed = read_shared_memory(plane, parsed, regions)
+        with admit(model):
+            signature = plane.signature_of(model, deadline)
+            prepare = request_images(plane, parsed, model, signature)
+            wanted = wanted_outputs(parsed, signature)
+            run = plane.run_images(model, prepare, deadline)
+        tensors = output_tensors(run, wanted, model.labels, options)
+        tensors = write_shared_memory(plane, parsed, tensors, regions)
+    return Inferred(model.name, run.version, parsed.id, tensors)
+
+
+def read_shared_memory(plane: DataPlane, parsed: InferRequest, regions: ExitStack) -> InferRequest:
+    """The request with each input that lies in shared memory read from its region (a view, not a copy); the
+    regions are held on `regions` until the request is answered."""
+    if not any(tensor.shared_memory is not None for tensor in parsed.inputs):
+        return parsed
+    inputs = []
+    for tensor in parsed.inputs:
+        placed = tensor.shared_memory
+        if placed is not None:
+            where = f"input {tensor.name!r}"
+            region = regions.enter_context(plane.shared_memory.use(placed.region, where))
+            data = binary_data(region.view(placed.offset, placed.byte_size, where), tensor.datatype, tensor.shape,
+                               where)
+            tensor = replace(tensor, data=data)
+        inputs.append(tensor)
+    return replace(parsed, inputs=tuple(inputs))
+
+
+def write_shared_memory(plane: DataPlane, parsed: InferRequest, tensors: list[tuple[Tensor, bool]],
+                        regions: ExitStack) -> list[tuple[Tensor, bool]]:
+    """Write each output the request asked for in shared memory into its region; the answer names the region and
+    the bytes written there instead of carrying the data."""
+    placed = {output.name: output.shared_memory for output in parsed.outputs or () if output.shared_memory}
+    if not placed:
+        return tensors
+    written = []
+    for tensor, binary in tensors:
+        target = placed.get(tensor.name)
+        if target is not None:
+            where = f"output {tensor.name!r}"
+            data = tensor_bytes(tensor)
+            region = regions.enter_context(plane.shared_memory.use(target.region, where))
+            region.write(target.offset, data, target.byte_size, where)
+            tensor = replace(tensor, data=None, shared_memory=replace(target, byte_size=len(data)))
+        written.append((tensor, binary))
+    return written
 
 
 def check_named_model(parsed: InferRequest, name: str, version: Optional[str]) -> Optional[str]:

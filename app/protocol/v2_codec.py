@@ -40,22 +40,40 @@ TensorData = Union[np.ndarray, list]  # numeric: an array of the shape; BYTES: a
 
 
 @dataclass(frozen=True)
+class SharedMemoryRef:
+    """Where a tensor lies in a registered shared-memory region (app/protocol/shared_memory.py)."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+    def parameters(self) -> dict:
+        """The parameters an answer names the region with, as Triton writes them."""
+        return {"shared_memory_region": self.region, "shared_memory_byte_size": self.byte_size}
+
+
+@dataclass(frozen=True)
 class Tensor:
-    """One input or output tensor: name, datatype, shape, and its data (BYTES: a flat list of bytes)."""
+    """One input or output tensor: name, datatype, shape, and its data (BYTES: a flat list of bytes).
+
+    A tensor in shared memory has no data here: `shared_memory` says where it lies."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    data: TensorData
+    data: Optional[TensorData]
     binary: bool = False  # it came as binary data (else as JSON)
+    shared_memory: Optional[SharedMemoryRef] = None
 
 
 @dataclass(frozen=True)
 class RequestedOutput:
-    """An output the request asks for, and whether it wants it as binary data (None: the request's default)."""
+    """An output the request asks for, and whether it wants it as binary data (None: the request's default), or
+    written into a shared-memory region."""
 
     name: str
     binary: Optional[bool]
+    shared_memory: Optional[SharedMemoryRef] = None
 
 
 @dataclass(frozen=True)
@@ -162,7 +180,11 @@ def _input(raw, index: int, binary: Optional[memoryview]) -> tuple[Tensor, int]:
         raise InvalidBody(f"{where} has datatype {str(datatype)[:20]!r}; the datatypes are {', '.join(DATATYPES)}")
     shape = check_shape(raw.get("shape"), where)
     parameters = _parameters(raw.get("parameters"), where)
-    refuse_shared_memory(parameters, where)
+    placed = shared_memory_ref(parameters, where)
+    if placed is not None:
+        if "data" in raw or "binary_data_size" in parameters:
+            raise InvalidBody(f"{where} names a shared-memory region and also carries data; send one")
+        return Tensor(name, datatype, shape, None, binary=True, shared_memory=placed), 0
     size = parameters.pop("binary_data_size", None)
     if size is None:
         if "data" not in raw:
@@ -292,22 +314,40 @@ def check_unique_inputs(inputs: Sequence[Tensor]) -> None:
         raise InvalidBody(f"duplicate input name {duplicate!r} is not allowed in a request")
 
 
-def refuse_shared_memory(parameters: dict, where: str) -> None:
-    """Refuse a tensor that names a shared-memory region: those extensions are not implemented."""
-    if any(key.startswith("shared_memory") for key in parameters):
-        raise BadRequest(f"{where} names a shared-memory region; the shared-memory extensions are not "
-                         "implemented: send the data in the request")
+def shared_memory_ref(parameters: dict, where: str) -> Optional[SharedMemoryRef]:
+    """Read where a tensor lies in shared memory (shared_memory_region, _byte_size, _offset), or None if it does
+    not name a region."""
+    keys = [key for key in parameters if key.startswith("shared_memory")]
+    if not keys:
+        return None
+    unknown = sorted(set(keys) - {"shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"})
+    if unknown:
+        raise InvalidBody(f"{where} has an unknown parameter {unknown[0][:40]!r}; a shared-memory tensor takes "
+                          "shared_memory_region, shared_memory_byte_size and shared_memory_offset")
+    region = parameters.get("shared_memory_region")
+    if not isinstance(region, str) or not region:
+        raise InvalidBody(f"{where}: shared_memory_region must name a registered region")
+    byte_size = _whole(parameters.get("shared_memory_byte_size"), f"{where}: shared_memory_byte_size")
+    offset = _whole(parameters.get("shared_memory_offset", 0), f"{where}: shared_memory_offset")
+    return SharedMemoryRef(region, byte_size, offset)
 
 
-def check_requested_output(name: str, parameters: dict, seen: set) -> None:
-    """Check one requested output: named once (`seen` holds the names so far), no shared memory, no classification."""
+def _whole(value, what: str) -> int:
+    if isinstance(value, bool) or type(value) is not int or value < 0:
+        raise InvalidBody(f"{what} must be a whole number of bytes, not {value!r:.40}")
+    return value
+
+
+def check_requested_output(name: str, parameters: dict, seen: set) -> Optional[SharedMemoryRef]:
+    """Check one requested output: named once (`seen` holds the names so far), no classification; return the
+    shared-memory region it is to be written into, if it names one."""
     where = f"output {name!r}"
     if name in seen:
         raise InvalidBody(f"duplicate output name {name!r} is not allowed in a request")
     seen.add(name)
-    refuse_shared_memory(parameters, where)
     if "classification" in parameters:
         raise BadRequest(f"{where} asks for classification; the classification extension is not implemented")
+    return shared_memory_ref(parameters, where)
 
 
 def _requested_outputs(value) -> Optional[tuple[RequestedOutput, ...]]:
@@ -323,15 +363,22 @@ def _requested_outputs(value) -> Optional[tuple[RequestedOutput, ...]]:
         where = f"output {name!r}"
         _only_keys(raw, ("name", "parameters"), where)
         parameters = _parameters(raw.get("parameters"), where)
-        check_requested_output(name, parameters, seen)
+        placed = check_requested_output(name, parameters, seen)
         binary = parameters.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidBody(f"{where}: binary_data must be true or false")
-        outputs.append(RequestedOutput(name, binary))
+        outputs.append(RequestedOutput(name, binary, placed))
     return tuple(outputs)
 
 
 # Writing ---------------------------------------------------------------------------------------------------
+
+
+def tensor_bytes(tensor: Tensor) -> bytes:
+    """A tensor's data as the binary extension writes it (and as it goes into a shared-memory region)."""
+    if tensor.datatype == "BYTES":
+        return serialize_bytes(tensor.data)
+    return np.ascontiguousarray(tensor.data, dtype=NUMPY_TYPES[tensor.datatype]).tobytes()
 
 
 def serialize_bytes(elements: Sequence[bytes]) -> bytes:
@@ -353,9 +400,10 @@ def write_infer_response(model_name: str, model_version: Optional[str], request_
     entries, blobs = [], []
     for tensor, binary in outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if binary:
-            blob = serialize_bytes(tensor.data) if tensor.datatype == "BYTES" else \
-                np.ascontiguousarray(tensor.data, dtype=NUMPY_TYPES[tensor.datatype]).tobytes()
+        if tensor.shared_memory is not None:  # written into the client's region already (app/protocol/v2.py)
+            entry["parameters"] = tensor.shared_memory.parameters()
+        elif binary:
+            blob = tensor_bytes(tensor)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif tensor.datatype == "BYTES":
