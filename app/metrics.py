@@ -7,6 +7,8 @@ time, and GPU gauges from NVML.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -114,6 +116,39 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """What one model records: its calls, loads, load failures, unloads and restarts; nothing without metrics."""
+
+    def __init__(self, metrics: Optional[ServiceMetrics], model: str):
+        self._metrics = metrics
+        self._model = model
+        # The queue's hook for each image's wait before its call; None: the queue times nothing.
+        self.queue_wait = metrics.queue_wait.labels(model=model).observe if metrics is not None else None
+
+    def call(self, images: int, seconds: float, out_of_memory: int) -> None:
+        """Record one model call, as its worker timed it, and the images that ran out of memory alone."""
+        if self._metrics is not None:
+            self._metrics.observe_model_call(self._model, images, seconds)
+            if out_of_memory:
+                self._metrics.out_of_memory.labels(model=self._model).inc(out_of_memory)
+
+    def loaded(self, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_load(self._model, seconds)
+
+    def load_failed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.model_load_failures.labels(model=self._model).inc()
+
+    def unloaded(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.model_unloads.labels(model=self._model, reason=reason).inc()
+
+    def restarted(self) -> None:
+        if self._metrics is not None:
+            self._metrics.worker_restarts.labels(model=self._model).inc()
 
 
 class _ModelCollector:
