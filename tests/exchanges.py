@@ -80,7 +80,10 @@ VARYING_KEYS = {
     "timing_ms",  # /detect's decode, inference, total and stage times
     "pid", "rss_mib", "memory",  # worker processes and what they hold
     "last_load_s", "last_used_unix", "last_load_unix", "now_unix",
+    "ns", "last_inference",  # the statistics extension's times (its counts are kept)
 }
+# The same fields in a protobuf message's text (gRPC ModelStatistics).
+VARYING_FIELDS = re.compile(r"\b(ns|last_inference): \d+")
 # JSON keys whose whole value becomes PLACEHOLDER: /gpu/history's samples, one a second since boot.
 VARYING_LISTS = {"samples"}
 # JSON keys below which objects are protobuf maps, whose order protobuf leaves unspecified (/v1's signature_def
@@ -332,7 +335,8 @@ def _unary_answer(port: GrpcPort, call, raw: bool = False) -> dict:
         answer = call()
     except grpc.RpcError as error:
         return {"code": error.code().name, "details": error.details()}
-    return {"code": "OK", "details": "", "message": b64(answer) if raw else port.text(answer)}
+    return {"code": "OK", "details": "",
+            "message": b64(answer) if raw else VARYING_FIELDS.sub(rf"\1: {PLACEHOLDER}", port.text(answer))}
 
 
 # The exchanges --------------------------------------------------------------------------------------------------
@@ -445,6 +449,23 @@ def http_exchanges() -> list[dict]:
         http_exchange("v2 model config version", "GET", f"/v2/models/{MODEL}/versions/2/config"),
         http_exchange("v2 model config version not served", "GET", f"/v2/models/{MODEL}/versions/1/config"),
         *unimplemented_http_exchanges(),
+        http_exchange("v2 statistics", "GET", "/v2/models/stats"),
+        http_exchange("v2 model statistics", "GET", f"/v2/models/{MODEL}/stats"),
+        http_exchange("v2 model statistics version", "GET", f"/v2/models/{MODEL}/versions/2/stats"),
+        http_exchange("v2 model statistics unknown model", "GET", "/v2/models/nope/stats"),
+        http_exchange("v2 shm register", "POST", "/v2/systemsharedmemory/region/r/register",
+                      _json({"key": SHM_KEY, "offset": 0, "byte_size": SHM_BYTES}), JSON),
+        http_exchange("v2 shm register past the end", "POST", "/v2/systemsharedmemory/region/s/register",
+                      _json({"key": SHM_KEY, "offset": 8, "byte_size": SHM_BYTES}), JSON),
+        http_exchange("v2 shm status", "GET", "/v2/systemsharedmemory/status"),
+        http_exchange("v2 shm region status", "GET", "/v2/systemsharedmemory/region/r/status"),
+        http_exchange("v2 shm infer from and into a region", "POST", f"/v2/models/{MODEL}/infer", _json({
+            "inputs": [{"name": "input_tensor", "datatype": "UINT8", "shape": [1, 4, 4, 3], "parameters": {
+                "shared_memory_region": "r", "shared_memory_byte_size": 48}}],
+            "outputs": [{"name": "num_detections", "parameters": {
+                "shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": 1024}}]}), JSON),
+        http_exchange("v2 shm region unregister", "POST", "/v2/systemsharedmemory/region/r/unregister"),
+        http_exchange("v2 shm unregister all", "POST", "/v2/systemsharedmemory/unregister"),
         http_exchange("v2 infer json pixels", "POST", f"/v2/models/{MODEL}/infer",
                       _json({"id": "pixels-1", "inputs": [_pixels(batch)]}), JSON),
         http_exchange("v2 infer json files with detections", "POST", f"/v2/models/{MODEL}/versions/2/infer",
@@ -573,15 +594,22 @@ def _predict(tensor: dict, **fields) -> dict:
     return {"model_spec": spec, "inputs": {"input_tensor": tensor}, **fields}
 
 
-# Methods the servicers leave to grpc's generated base classes, called with an empty request. Their docstrings say
-# UNIMPLEMENTED; the call interceptor answers the base class's NotImplementedError as INTERNAL, and that is what
-# was recorded (ModelStreamInfer, a stream, bypasses that path and answers UNIMPLEMENTED).
+# Methods the servicers leave to grpc's generated base classes, called with an empty request: each answers
+# UNIMPLEMENTED naming itself.
 NOT_IMPLEMENTED = (
-    KSERVE + "ModelStatistics", KSERVE + "SystemSharedMemoryStatus", KSERVE + "SystemSharedMemoryRegister",
-    KSERVE + "SystemSharedMemoryUnregister", KSERVE + "CudaSharedMemoryStatus", KSERVE + "CudaSharedMemoryRegister",
-    KSERVE + "CudaSharedMemoryUnregister", KSERVE + "TraceSetting", KSERVE + "LogSettings",
+    KSERVE + "CudaSharedMemoryStatus", KSERVE + "CudaSharedMemoryRegister", KSERVE + "CudaSharedMemoryUnregister",
+    KSERVE + "TraceSetting", KSERVE + "LogSettings",
     PREDICTION + "Classify", PREDICTION + "Regress", PREDICTION + "MultiInference",
 )
+# A POSIX shared-memory object the shared-memory exchanges register: made before the exchanges are sent.
+SHM_KEY = "/gpu-share-detect-exchanges"
+SHM_BYTES = 4096
+
+
+def prepare_shared_memory() -> None:
+    """Make the shared-memory object the exchanges name, zero-filled, as a client would with shm_open."""
+    with open("/dev/shm" + SHM_KEY, "wb") as region:
+        region.write(bytes(SHM_BYTES))
 
 
 def grpc_exchanges() -> list[dict]:
@@ -692,6 +720,19 @@ def grpc_exchanges() -> list[dict]:
         grpc_exchange("unknown service", "/nope.Service/Method", b""),
     ]
     exchanges += [grpc_exchange(f"not implemented {m.rsplit('/', 1)[1]}", m, {}) for m in NOT_IMPLEMENTED]
+    exchanges += [
+        grpc_exchange("kserve statistics", KSERVE + "ModelStatistics", {"name": MODEL, "version": "2"}),
+        grpc_exchange("kserve statistics unknown model", KSERVE + "ModelStatistics", {"name": "nope"}),
+        grpc_exchange("kserve shm register", KSERVE + "SystemSharedMemoryRegister",
+                      {"name": "g", "key": SHM_KEY, "byte_size": SHM_BYTES}),
+        grpc_exchange("kserve shm register twice", KSERVE + "SystemSharedMemoryRegister",
+                      {"name": "g", "key": SHM_KEY, "byte_size": SHM_BYTES}),
+        grpc_exchange("kserve shm register no key", KSERVE + "SystemSharedMemoryRegister",
+                      {"name": "h", "key": "/no-such-key", "byte_size": 8}),
+        grpc_exchange("kserve shm status", KSERVE + "SystemSharedMemoryStatus", {}),
+        grpc_exchange("kserve shm unregister", KSERVE + "SystemSharedMemoryUnregister", {"name": "g"}),
+        grpc_exchange("kserve shm unregister all", KSERVE + "SystemSharedMemoryUnregister", {}),
+    ]
     # The repository: restricted to a header; the unload and load go last, around the HTTP ones while unloaded.
     exchanges += [
         grpc_exchange("kserve repository index without the header", KSERVE + "RepositoryIndex", {}),
@@ -758,6 +799,7 @@ def record(path: Path = RECORDED) -> None:
         base = build_models(Path(folder))
         server = start_server({"DETECT_MODEL": str(base), **SERVER_ENV}, Path(folder) / "server.log")
         port = GrpcPort(server.grpc_port)
+        prepare_shared_memory()
         try:
             exchanges = planned_exchanges()
             for exchange in exchanges:

@@ -1,7 +1,8 @@
 """The shape of app/, read from its imports: layers, no cycles, two front doors over one protocol floor.
 
 Every `import` and `from ... import` in app/ counts, those inside functions too (a lazy import is still a
-dependency). docs/development.md draws the layers these tests hold.
+dependency), except those under `if TYPE_CHECKING:`, which name types for annotations and never run.
+docs/development.md draws the layers these tests hold.
 """
 
 from __future__ import annotations
@@ -50,8 +51,14 @@ def module_files() -> dict[str, Path]:
 def imports_of(name: str, path: Path) -> set[str]:
     """The dotted names a module imports (the module, and each name taken from it, which may be a module)."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for node in ast.walk(block)}
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

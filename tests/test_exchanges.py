@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from exchanges import RECORDED, GrpcPort, answer
+from exchanges import RECORDED, GrpcPort, answer, prepare_shared_memory
 
 SHOWN_MISMATCHES = 5  # diffs printed in full; the rest are named
 
@@ -25,6 +25,7 @@ def replay(blob_model_dir, tmp_path_factory, recording):
 
     server = start_server({"DETECT_MODEL": str(blob_model_dir), **recording["server_env"]},
                           tmp_path_factory.mktemp("exchanges") / "server.log")
+    prepare_shared_memory()
     port = GrpcPort(server.grpc_port)
     yield server, port, str(blob_model_dir)
     port.close()

@@ -1,7 +1,9 @@
 """`grpc.health.v1.Health`: the server's readiness and each model's, for Kubernetes' `grpc:` probes and grpc-health-probe.
 
-The name "liveness" is SERVING while the process answers at all, as /healthz (a Kubernetes liveness probe's
-service). The service "" (the whole server) and the name of each gRPC service on the port are SERVING while /readyz
+The name "liveness" is SERVING while the server answers at all, as /healthz would (a Kubernetes liveness probe's
+service): while the Twisted reactor, which every HTTP request passes, still beats (app/hosting/lifecycle.py).
+A stuck reactor turns it NOT_SERVING within STALE_AFTER_S, so the probe fails and the pod is restarted, though
+the gRPC threads still answer. The service "" (the whole server) and the name of each gRPC service on the port are SERVING while /readyz
 would answer 200: every preloaded model loaded, shutdown not begun. A model's name is SERVING while it can
 answer: loaded, or unloaded only for idleness (its next call loads it); NOT_SERVING while it loads, has
 failed or was unloaded by request. Any other name is NOT_FOUND, as the health protocol asks.
@@ -19,7 +21,7 @@ from ..protocol.plane import DataPlane
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WATCH_POLL_S = 1.0
-LIVENESS = "liveness"  # SERVING while the process is up, as /healthz
+LIVENESS = "liveness"  # SERVING while the reactor beats, as /healthz would answer
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
@@ -32,7 +34,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def status(self, name: str):
         """The status of `name` (the server, a gRPC service, or a model); None for a name that is none of those."""
         if name == LIVENESS:
-            return SERVING
+            return SERVING if self._plane.alive() else NOT_SERVING
         if name in self._names:
             return SERVING if self._plane.ready() else NOT_SERVING
         model = self._plane.find_model(name)

@@ -6,7 +6,8 @@ batches, and its answer is the same tensors, written as raw_output_contents (as 
 `raw_input_contents` (one entry per input, BYTES as 4-byte little-endian lengths and bytes) or typed
 `contents`; every declared shape is checked against the data before anything is allocated from it.
 Methods: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer,
-ModelStatistics, ModelStreamInfer (each request answered on the stream, with its id; a failed one with its error_message, the
+ModelStatistics, the system shared-memory extension (SystemSharedMemoryRegister, Status and Unregister),
+ModelStreamInfer (each request answered on the stream, with its id; a failed one with its error_message, the
 stream going on), and the repository extension (RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload);
 the others answer UNIMPLEMENTED. Errors are raised as the project's own and answered by app/grpc/calls.py.
 """
@@ -133,6 +134,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Triton's statistics of every model (no name) or of one, as the HTTP stats routes give them."""
         answer = v2.statistics(self._plane, request.name or None, request.version or None)
         return json_format.ParseDict(answer, pb.ModelStatisticsResponse())
+
+    def SystemSharedMemoryRegister(self, request, context):
+        self._plane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    def SystemSharedMemoryStatus(self, request, context):
+        regions = self._plane.shared_memory.status(request.name or None)
+        return pb.SystemSharedMemoryStatusResponse(regions={
+            region["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**region) for region in regions})
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        self._plane.shared_memory.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     def RepositoryIndex(self, request, context):
         rows = repository.index_rows(self._plane, request.ready)

@@ -11,11 +11,16 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Optional
 
 log = logging.getLogger(__name__)
 
 PHASES = ("starting", "serving", "draining", "stopped")
+# The reactor beats every HEARTBEAT_S; a server whose reactor has not beaten for STALE_AFTER_S answers no HTTP
+# request, so its liveness (gRPC health's "liveness", which Kubernetes' grpc probe asks) turns NOT_SERVING.
+HEARTBEAT_S = 1.0
+STALE_AFTER_S = 5.0
 
 # The User-Agent of the fleet's readiness probe (every 200 ms while an instance starts): the access log leaves
 # those requests out, and a user's own /readyz, with any other agent, is logged as any request.
@@ -30,6 +35,16 @@ class Lifecycle:
         self._lock = threading.Lock()
         self._phase = "starting"
         self._notify_fd = notify_fd
+        self._beat = time.monotonic()
+
+    def beat(self) -> None:
+        """The reactor is turning: called from it every HEARTBEAT_S (app/hosting/serve.py)."""
+        self._beat = time.monotonic()
+
+    @property
+    def responsive(self) -> bool:
+        """Whether the reactor has beaten within STALE_AFTER_S: a stuck reactor answers no HTTP request at all."""
+        return time.monotonic() - self._beat < STALE_AFTER_S
 
     @property
     def phase(self) -> str:

@@ -330,6 +330,8 @@ def run(server: Server) -> int:
     from twisted.internet import defer, reactor, task, threads
     from twisted.internet.error import CannotListenError
 
+    from .lifecycle import HEARTBEAT_S
+
     settings = server.settings
     try:
         tls = _tls_options(settings)
@@ -392,8 +394,10 @@ def run(server: Server) -> int:
         drained.addCallback(lambda _: threads.deferToThread(server.registry.close, settings.shutdown_grace_s))
         return drained
 
+    heartbeat = task.LoopingCall(server.lifecycle.beat)
     reactor.callWhenRunning(server.registry.start)
     reactor.callWhenRunning(readiness.start, 0.1)
+    reactor.callWhenRunning(heartbeat.start, HEARTBEAT_S)
     reactor.addSystemEventTrigger("before", "shutdown", shut_down)
     reactor.run()
     server.lifecycle.stopped()

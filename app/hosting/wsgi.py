@@ -16,7 +16,7 @@ byte for byte: the same environ, the same status line and headers (Server and Da
 default Content-Type), the same 500 when the app raises; tests/test_wsgi_gateway.py serves one app
 through both gateways and compares the environs and the bytes on the wire. Two corners are stricter, said
 where they are: start_response's header types, and wsgi.errors' text with braces. It does what the
-subclass did per request, call for call, so it is as fast (scripts/ab.py on /detect found no difference
+subclass did per request, call for call, so it is as fast (tools/ab.py on /detect found no difference
 beyond this machine's noise).
 """
 

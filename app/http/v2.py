@@ -15,9 +15,9 @@ from typing import Optional
 
 from flask import Blueprint, Response, jsonify, request
 
-from ..errors import Unimplemented
+from ..errors import InvalidBody, Unimplemented
 from ..protocol import v2
-from ..protocol.bodies import inflate
+from ..protocol.bodies import inflate, json_object
 from ..protocol.v2_codec import HEADER_LENGTH, parse_infer_request, write_infer_response
 from .plane import plane
 
@@ -67,6 +67,32 @@ def model_statistics(name: Optional[str] = None, version: Optional[str] = None):
     return jsonify(v2.statistics(plane(), name, version))
 
 
+@routes.post("/v2/systemsharedmemory/region/<region>/register")
+def register_shared_memory(region: str):
+    """Register a POSIX shared-memory region by name: {"key", "offset", "byte_size"}; 200 with an empty body."""
+    body = json_object(request.get_data(cache=False), "the registration", "a JSON object: key, offset, byte_size")
+    unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+    if unknown:
+        raise InvalidBody(f"the registration has an unknown field {unknown[0][:40]!r}; it takes key, offset, byte_size")
+    plane().shared_memory.register(region, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+    return Response(status=200)
+
+
+@routes.get("/v2/systemsharedmemory/status")
+@routes.get("/v2/systemsharedmemory/region/<region>/status")
+def shared_memory_status(region: Optional[str] = None):
+    """The registered regions (or the one named): name, key, offset, byte_size."""
+    return jsonify(plane().shared_memory.status(region))
+
+
+@routes.post("/v2/systemsharedmemory/unregister")
+@routes.post("/v2/systemsharedmemory/region/<region>/unregister")
+def unregister_shared_memory(region: Optional[str] = None):
+    """Unregister one region, or every one; a request using it keeps it until answered. 200 with an empty body."""
+    plane().shared_memory.unregister(region)
+    return Response(status=200)
+
+
 @routes.get("/v2/models/<name>/ready")
 @routes.get("/v2/models/<name>/versions/<version>/ready")
 def model_ready(name: str, version: Optional[str] = None):
@@ -102,8 +128,6 @@ def infer(name: str, version: Optional[str] = None):
 # Triton's extensions this server does not implement: each route answers 400 naming its extension, as Triton
 # answers the routes of an extension it was started without, and never 404 "no route".
 UNIMPLEMENTED_EXTENSIONS = {
-    "system shared memory": tuple(f"/v2/systemsharedmemory{region}/{verb}" for region in ("", "/region/<region>")
-                                  for verb in ("status", "register", "unregister")),
     "CUDA shared memory": tuple(f"/v2/cudasharedmemory{region}/{verb}" for region in ("", "/region/<region>")
                                 for verb in ("status", "register", "unregister")),
     "trace": ("/v2/trace/setting", "/v2/models/<name>/trace/setting"),

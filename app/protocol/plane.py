@@ -43,10 +43,14 @@ def server_version() -> str:
 
 
 class Lifecycle(Protocol):
-    """Where the server is in its life (app.hosting.lifecycle.Lifecycle): only whether it drains matters here."""
+    """Where the server is in its life (app.hosting.lifecycle.Lifecycle): whether it drains, and whether its
+    reactor still turns."""
 
     @property
     def draining(self) -> bool: ...
+
+    @property
+    def responsive(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ class DataPlane:
             failure = self.models.boot_failure()
             return NotReady("the models are loading" if failure is None else f"a preloaded model failed: {failure}")
         return None
+
+    def alive(self) -> bool:
+        """Whether the server answers at all: its reactor, which every HTTP request passes, still turns."""
+        return self.lifecycle is None or self.lifecycle.responsive
 
     def ready(self) -> bool:
         """Whether the server is ready: every preloaded model loaded, none failed, shutdown not begun."""

@@ -121,15 +121,13 @@ class SharedMemoryRegions:
             self._regions[name] = Region(name, key, offset, byte_size, mapping)
 
     def unregister(self, name: Optional[str] = None) -> None:
-        """Take region `name` (every region when None) away; its mapping closes once no request holds it.
-        InvalidBody for a name that is not registered."""
+        """Take region `name` (every region when None) away; its mapping closes once no request holds it. A name
+        not registered is no error, as Triton has it: clients unregister before they register, to start clean."""
         with self._lock:
             if name is None:
                 regions = list(self._regions.values())
-            elif name in self._regions:
-                regions = [self._regions[name]]
             else:
-                raise InvalidBody(f"no shared-memory region named {name[:100]!r} is registered")
+                regions = [self._regions[name]] if name in self._regions else []
             for region in regions:
                 del self._regions[region.name]
                 region._unregistered = True

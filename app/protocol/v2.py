@@ -31,7 +31,8 @@ from .bodies import decode_base64
 from .plane import DataPlane, Run, image_answer, served_version
 from .v2_codec import InferRequest, Tensor, binary_data, tensor_bytes
 
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "parameters", "statistics")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "parameters", "statistics",
+              "system_shared_memory")
 PLATFORM = "tensorflow_savedmodel"
 IMAGE_INPUT = "image"
 DETECTIONS_OUTPUT = "detections"

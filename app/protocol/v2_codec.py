@@ -401,7 +401,8 @@ def write_infer_response(model_name: str, model_version: Optional[str], request_
     for tensor, binary in outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if tensor.shared_memory is not None:  # written into the client's region already (app/protocol/v2.py)
-            entry["parameters"] = tensor.shared_memory.parameters()
+            # Triton's C++ client reads binary_data_size wherever an output has parameters: none of it follows.
+            entry["parameters"] = {**tensor.shared_memory.parameters(), "binary_data_size": 0}
         elif binary:
             blob = tensor_bytes(tensor)
             entry["parameters"] = {"binary_data_size": len(blob)}
