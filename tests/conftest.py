@@ -235,7 +235,7 @@ def server(blob_model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def perf_analyzer() -> list[str]:
     """The argv prefix that starts Triton's perf_analyzer 2.60 (set up on first use); skip saying why if it cannot be."""
-    import clients
+    from tools import clients
 
     try:
         return clients.perf_analyzer_command()
@@ -246,7 +246,7 @@ def perf_analyzer() -> list[str]:
 @pytest.fixture(scope="session")
 def kserve_python() -> Path:
     """The python of a venv holding KServe's SDK 0.21 (made on first use); skip saying why if it cannot be."""
-    import clients
+    from tools import clients
 
     try:
         return clients.kserve_python()

@@ -91,7 +91,7 @@ def test_the_model_config_is_the_one_the_http_route_gives(client, server):
     assert over_grpc.dynamic_batching.default_queue_policy.max_queue_size > 0 and over_grpc.max_batch_size == 16
 
 
-@pytest.mark.parametrize("method", ["SystemSharedMemoryStatus", "CudaSharedMemoryRegister",
+@pytest.mark.parametrize("method", ["CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
                                     "TraceSetting", "LogSettings"])
 def test_a_method_the_server_lacks_answers_unimplemented_naming_it(stub, server, method):
     from tritonclient.grpc import service_pb2

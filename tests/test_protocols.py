@@ -200,7 +200,6 @@ def test_health_answers_carry_kserves_bodies_and_keep_tritons_statuses(server):
 
 
 @pytest.mark.parametrize("method, path, extension", [
-    ("POST", "/v2/systemsharedmemory/region/r/register", "system shared memory"),
     ("GET", "/v2/cudasharedmemory/status", "CUDA shared memory"), ("POST", "/v2/trace/setting", "trace"),
     ("GET", "/v2/logging", "logging"),
 ])

@@ -1,6 +1,6 @@
 """The field's own tools, unmodified, against a real server on the blob model: Triton's perf_analyzer 2.60 (Triton
 mode over HTTP and gRPC, streaming, system shared memory; TF Serving mode) and KServe's Python SDK 0.21 (its REST
-and gRPC clients). tests/clients.py sets them up, once per machine."""
+and gRPC clients). tools/clients.py sets them up, once per machine."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from blob_model import blob_image
-from clients import debian_mirror, run_kserve_client
+from tools.clients import debian_mirror, run_kserve_client
 from images_for_tests import encode
 
 RED_GREEN = blob_image(64, 48, {1: (10, 5, 20, 15), 2: (30, 20, 50, 40)})
@@ -128,7 +128,7 @@ def test_perf_analyzer_triton_mode_with_system_shared_memory(perf_analyzer, serv
 
 # KServe's Python SDK ------------------------------------------------------------------------------------------
 
-# Each snippet runs inside the SDK's own venv (tests/clients.run_kserve_client): the SDK's classes, unmodified.
+# Each snippet runs inside the SDK's own venv (tools/clients.py, run_kserve_client): the SDK's classes, unmodified.
 HEALTH = """
 {client}
 async with client:

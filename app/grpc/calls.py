@@ -136,6 +136,8 @@ class CallInterceptor(grpc.ServerInterceptor):
                 return
             except RequestError as error:
                 code, message = grpc_status(error), error.message
+            except grpc.RpcError:  # the client cancelled, or went away, while its stream was read: no one to answer
+                return
             except Exception:
                 log.exception("unexpected error in a streaming call")
                 code, message = "INTERNAL", "an internal error occurred; it has been logged"

@@ -2,8 +2,9 @@
 
 A client process runs `--threads` threads until its stop file appears. Each thread is a client of one model
 (HOMES) and draws, from a seeded generator, one kind of request at a time (KINDS: raw, multipart and base64
-/detect, KServe v2 JSON and binary, TF Serving REST, KServe v2 and TF Serving gRPC, 12 MP photos, bad input
-from the hardening battery, slow clients), sends it on a fresh connection and writes one JSON line:
+/detect, KServe v2 JSON and binary, KServe v2 with its images in a registered system shared-memory region,
+TF Serving REST, KServe v2 and TF Serving gRPC, KServe v2 on a gRPC stream, 12 MP photos, bad input from the
+hardening battery, slow clients), sends it on a fresh connection and writes one JSON line:
 
     {"t": send time (Unix s), "kind", "protocol", "model", "image", "status": the HTTP status (gRPC codes as
      their HTTP statuses, 0 when the connection failed), "ms", "outcome", "expected", ...}
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.client
 import json
+import os
 import random
 import socket
 import sys
@@ -49,10 +52,12 @@ TURN_S = 10.0
 KINDS = {
     "detect-raw": 16, "model-raw": 10, "multipart": 6, "base64": 6, "v2-json": 8, "v2-binary": 8,
     "tfs-rest": 8, "grpc-kserve": 10, "grpc-tfs": 6, "photo-12mp": 2, "bad-input": 12, "slow-client": 4,
+    "grpc-stream": 4, "v2-shm": 4,
 }
 FAMILY = {"detect-raw": "json", "model-raw": "json", "multipart": "json", "base64": "json", "v2-json": "json",
           "v2-binary": "json", "grpc-kserve": "json", "photo-12mp": "json", "tfs-rest": "tensors",
-          "grpc-tfs": "tensors"}
+          "grpc-tfs": "tensors", "grpc-stream": "json", "v2-shm": "json"}
+SHM_BYTES = 8 * 2**20  # each thread's shared-memory region: room for three scenes' JPEGs
 
 
 class Images:
@@ -200,6 +205,40 @@ def send_json_kind(port: int, kind: str, model: str, images: list[bytes]) -> Ans
     raise ValueError(f"not a JSON kind: {kind}")
 
 
+class SharedRegion:
+    """One thread's POSIX shared-memory object, registered with the server as a region of the same name on first
+    use (again after a refusal), for v2 requests whose images travel in it (Triton's system shared memory)."""
+
+    def __init__(self):
+        self.name = f"chaos-{os.getpid()}-{threading.get_ident()}"
+        self.path = f"/dev/shm/{self.name}"
+        with open(self.path, "wb") as region:
+            region.truncate(SHM_BYTES)
+        self.registered = False
+
+    def send(self, port: int, model: str, images: list[bytes]) -> Answer:
+        if not self.registered:
+            body = json.dumps({"key": "/" + self.name, "offset": 0, "byte_size": SHM_BYTES}).encode()
+            status, headers, answer = http_exchange(port, "POST", f"/v2/systemsharedmemory/region/{self.name}/register",
+                                                    body, {"Content-Type": "application/json"})
+            if status != 200:
+                return _json_answer(status, headers, answer, _v2_images)
+            self.registered = True
+        elements = b"".join(len(i).to_bytes(4, "little") + i for i in images)
+        with open(self.path, "r+b") as region:
+            region.write(elements)
+        body = json.dumps({"inputs": [{"name": "image", "shape": [len(images)], "datatype": "BYTES", "parameters": {
+            "shared_memory_region": self.name, "shared_memory_byte_size": len(elements)}}],
+            "outputs": [{"name": "detections"}]}).encode()
+        status, headers, answer = http_exchange(port, "POST", f"/v2/models/{model}/infer", body,
+                                                {"Content-Type": "application/json"})
+        return _json_answer(status, headers, answer, _v2_images)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
 class GrpcClient:
     """One channel per thread, for KServe v2's ModelInfer and TF Serving's Predict."""
 
@@ -214,18 +253,26 @@ class GrpcClient:
         self.shape, self.types = tensor_shape_pb2, types_pb2
         self.channel = grpc.insecure_channel(f"{HOST}:{port}")
         self.infer = grpc_service_pb2_grpc.GRPCInferenceServiceStub(self.channel).ModelInfer
+        self.stream = grpc_service_pb2_grpc.GRPCInferenceServiceStub(self.channel).ModelStreamInfer
         self.tfs = prediction_service_pb2_grpc.PredictionServiceStub(self.channel).Predict
 
     def send(self, kind: str, model: str, images: list[bytes]) -> Answer:
         try:
-            if kind == "grpc-kserve":
+            if kind in ("grpc-kserve", "grpc-stream"):
                 pb = self.kserve
                 request = pb.ModelInferRequest(
-                    model_name=model,
+                    model_name=model, id="chaos",
                     inputs=[pb.ModelInferRequest.InferInputTensor(name="image", datatype="BYTES", shape=[len(images)])],
                     outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="detections")],
                     raw_input_contents=[b"".join(len(i).to_bytes(4, "little") + i for i in images)])
-                response = self.infer(request, timeout=TIMEOUT_S)
+                if kind == "grpc-stream":  # one request on a stream of its own: answered on the stream
+                    (streamed,) = list(self.stream(iter([request]), timeout=TIMEOUT_S))
+                    if streamed.error_message:
+                        return Answer(_stream_status(streamed.error_message), None, grpc="STREAM_ERROR",
+                                      error=streamed.error_message[:200])
+                    response = streamed.infer_response
+                else:
+                    response = self.infer(request, timeout=TIMEOUT_S)
                 (index,) = [n for n, o in enumerate(response.outputs) if o.name == "detections"]
                 rest, items = response.raw_output_contents[index], []
                 while rest:
@@ -253,6 +300,14 @@ class GrpcClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _stream_status(message: str) -> int:
+    """The HTTP status a stream's error_message stands for (a stream answer has a message and no code): a bug is
+    500, a deadline 504, and the rest of what a well-formed request may meet (full, unavailable) 503."""
+    if "internal error" in message:
+        return 500
+    return 504 if "deadline" in message.lower() or "within" in message.lower() else 503
 
 
 def _float_array(tensor) -> list[float]:
@@ -342,6 +397,7 @@ class Client:
         self.rng = random.Random(seed)
         self.bad = bad_inputs(images)
         self.grpc: Optional[GrpcClient] = None
+        self.shm: Optional[SharedRegion] = None
 
     def resting(self) -> bool:
         """Whether this thread's model is out of its turn (objects and faces take turns; shapes never rests)."""
@@ -370,6 +426,8 @@ class Client:
                 stop.wait(0.5)
         if self.grpc is not None:
             self.grpc.close()
+        if self.shm is not None:
+            self.shm.close()
 
     def one(self, kind: str) -> dict:
         args, rng = self.args, self.rng
@@ -393,7 +451,7 @@ class Client:
         model = self.home
         names = list(self.images.scenes)
         count = rng.choice((1, 1, 2, 3)) if kind in ("multipart", "base64", "v2-json", "v2-binary", "tfs-rest",
-                                                     "grpc-kserve", "grpc-tfs") else 1
+                                                     "grpc-kserve", "grpc-tfs", "grpc-stream", "v2-shm") else 1
         picked = ["photo-12mp"] if kind == "photo-12mp" else [rng.choice(names) for _ in range(count)]
         blobs = [self.images.photo if p == "photo-12mp" else self.images.scenes[p] for p in picked]
         record.update(model=model, images=picked, expected=list(SERVED))
@@ -402,6 +460,10 @@ class Client:
                 if self.grpc is None:
                     self.grpc = GrpcClient(args.grpc_port)
                 answer = self.grpc.send(kind, model, blobs)
+            elif kind == "v2-shm":
+                if self.shm is None:
+                    self.shm = SharedRegion()
+                answer = self.shm.send(args.port, model, blobs)
             else:
                 answer = send_json_kind(args.port, kind, model, blobs)
         except OSError as exc:

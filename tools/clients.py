@@ -1,4 +1,5 @@
-"""The field's own clients, unmodified, for the tests: Triton's perf_analyzer and KServe's Python SDK.
+"""The field's own clients, unmodified: Triton's perf_analyzer and KServe's Python SDK, for the tests and for
+the perf_analyzer table (tools/perf_table.py).
 
 Both are set up on first use and kept under `.cache/clients/` (git-ignored), so a fresh CI machine makes
 them once and a rerun reuses them:
