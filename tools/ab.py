@@ -10,7 +10,10 @@ reports images/s and the CPU time per image of that server's whole process tree 
 and its model workers, from /proc), and per pair the ratio B / A.
 
     .venv/bin/python -m tools.ab --a ../before --b . [--model models/shapes] [--connections 1,64]
-        [--pairs 3] [--duration 15] [--out out/ab.json]
+        [--pairs 3] [--duration 15] [--protocol detect|v2-binary|grpc] [--out out/ab.json]
+
+`--protocol` chooses what the load sends: POST /detect (the default), KServe v2 over HTTP with the images as
+binary BYTES, or KServe v2's gRPC ModelInfer.
 """
 
 from __future__ import annotations
@@ -38,20 +41,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(checkout: Path, model: Path, log: Path) -> ServerProcess:
+def start(checkout: Path, model: Path, log: Path, grpc: bool = False) -> ServerProcess:
     """Start `python -m app serve` in `checkout` on `model` alone; return it once /readyz answers 200.
 
     Readiness is polled over HTTP, not read from the notify descriptor that ServerProcess.start uses, since
     a checkout from before that descriptor existed must start too.
     """
     port = free_port()
+    grpc_port = free_port() if grpc else None
     env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
-    env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT="off", DETECT_MODEL=str(model), TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(checkout))
+    env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT=str(grpc_port) if grpc else "off", DETECT_MODEL=str(model),
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(checkout))
     with log.open("wb") as handle:
         process = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=checkout, env=env,
                                    stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = ServerProcess(process, port, log)
+    server = ServerProcess(process, port, log, grpc_port)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -67,10 +71,16 @@ def start(checkout: Path, model: Path, log: Path) -> ServerProcess:
     raise SystemExit(f"the server in {checkout} was not ready in 300 s; see {log}")
 
 
-def step(server: ServerProcess, images: Path, connections: int, duration_s: float, out: Path) -> dict:
+def step(server: ServerProcess, images: Path, connections: int, duration_s: float, out: Path,
+         protocol: str = "detect", model: str = "") -> dict:
     before = server.stats()["cpu_s"]  # the HTTP process and its workers, from /proc
-    summary = loadgen.collect(loadgen.spawn(server.port, images, out, connections, duration_s), out,
-                              duration_s + 120)
+    if protocol == "grpc":
+        load = loadgen.spawn(server.grpc_port, images, out, connections, duration_s, grpc_model=model)
+    elif protocol == "v2-binary":
+        load = loadgen.spawn(server.port, images, out, connections, duration_s, v2_model=model)
+    else:
+        load = loadgen.spawn(server.port, images, out, connections, duration_s)
+    summary = loadgen.collect(load, out, duration_s + 120)
     cpu = server.stats()["cpu_s"] - before
     answered = summary["requests"] - summary["error_total"]
     return {"images_per_s": summary["ok_per_s"], "errors": summary["error_total"],
@@ -86,8 +96,11 @@ def main(argv=None) -> int:
     parser.add_argument("--connections", default="1,64", help="comma-separated connection counts")
     parser.add_argument("--pairs", type=int, default=3, help="ABBA pairs per connection count")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per step")
+    parser.add_argument("--protocol", choices=("detect", "v2-binary", "grpc"), default="detect",
+                        help="what the load sends (default: POST /detect)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "ab.json")
     args = parser.parse_args(argv)
+    model_name = args.model.resolve().name
     counts = [int(c) for c in args.connections.split(",") if c.strip()]
     with tempfile.TemporaryDirectory() as scratch_text:
         scratch = Path(scratch_text)
@@ -95,11 +108,13 @@ def main(argv=None) -> int:
         servers = {}
         try:
             for name, checkout in (("a", args.a), ("b", args.b)):
-                servers[name] = start(checkout.resolve(), args.model.resolve(), scratch / f"server-{name}.log")
+                servers[name] = start(checkout.resolve(), args.model.resolve(), scratch / f"server-{name}.log",
+                                      grpc=args.protocol == "grpc")
                 print(f"{name}: {checkout} on port {servers[name].port}", flush=True)
             for server in servers.values():  # warm both: first calls are slow
-                step(server, images, 4, 3, scratch / "warm.json")
+                step(server, images, 4, 3, scratch / "warm.json", args.protocol, model_name)
             result = {"a": str(args.a), "b": str(args.b), "model": str(args.model), "duration_s": args.duration,
+                      "protocol": args.protocol,
                       "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "steps": {}}
             for connections in counts:
                 rows = []
@@ -108,7 +123,7 @@ def main(argv=None) -> int:
                     figures = {}
                     for name in order:
                         figures[name] = step(servers[name], images, connections, args.duration,
-                                             scratch / "step.json")
+                                             scratch / "step.json", args.protocol, model_name)
                     ratio = round(figures["b"]["images_per_s"] / figures["a"]["images_per_s"], 3)
                     rows.append({"order": "".join(order), **figures, "b_over_a": ratio})
                     print(f"{connections:>4} connections, pair {pair + 1} ({' then '.join(order)}): "
