@@ -69,10 +69,13 @@ def parse_restricted_api(text) -> tuple[Restriction, ...]:
 
 
 def is_loopback(address: Optional[str]) -> bool:
+    """Whether `address` is a loopback address, an IPv4 one written as IPv6 (::ffff:127.0.0.1) too."""
     try:
-        return ipaddress.ip_address((address or "").split("%")[0]).is_loopback
+        parsed = ipaddress.ip_address((address or "").split("%")[0])
     except ValueError:
         return False
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    return (mapped or parsed).is_loopback
 
 
 def group_refusal(group: str, headers, remote_address: Optional[str],

@@ -219,3 +219,57 @@ def test_five_kills_of_a_worker_under_16_concurrent_grpc_callers_leave_every_cal
         assert server.stop() == 0
     assert server.log().count("was killed by SIGKILL") >= KILLS
     assert "Traceback" not in server.log()
+
+
+def test_open_streams_are_capped_so_unary_calls_and_health_keep_their_threads(tmp_path, blob_model_dir):
+    """With http_threads 4, at most 2 streams are open at once: a third is refused at once (RESOURCE_EXHAUSTED),
+    unary calls and liveness still answer, and once a stream closes a new one is let in. Each stream's requests
+    are counted as calls of ModelStreamInfer."""
+    import queue
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_HTTP_THREADS": "4",
+                           "DETECT_SPARE_WORKERS": "0"}, tmp_path / "server.log")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            feeds = [queue.SimpleQueue() for _ in range(3)]
+
+            def requests(feed):
+                while (request := feed.get()) is not None:
+                    yield request
+
+            streams = [stub.ModelStreamInfer(requests(feed), timeout=60) for feed in feeds[:2]]
+            for feed, stream in zip(feeds, streams):  # both open and answering
+                feed.put(infer_request("blob"))
+                assert not next(stream).error_message
+            third = stub.ModelStreamInfer(requests(feeds[2]), timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(third)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "streams are open" in refused.value.details()
+            assert stub.ModelInfer(infer_request("blob"), timeout=30).outputs[0].name == "num_detections"
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            feeds[0].put(None)  # the client ends its first stream
+            assert list(streams[0]) == []
+
+            def let_in():
+                feed = queue.SimpleQueue()
+                feed.put(infer_request("blob"))
+                feed.put(None)
+                try:
+                    return [not a.error_message for a in stub.ModelStreamInfer(requests(feed), timeout=30)]
+                except grpc.RpcError:
+                    return None
+
+            assert wait_for(let_in, 10, "a new stream let in once one closed") == [True]
+            feeds[1].put(None)
+            list(streams[1])
+        metrics = server.request("GET", "/metrics")[2].decode()
+        assert 'detect_grpc_requests_total{code="OK",method="/inference.GRPCInferenceService/ModelStreamInfer",' \
+               'model="blob"}' in metrics
+    finally:
+        assert server.stop() == 0

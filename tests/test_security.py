@@ -104,6 +104,14 @@ def test_a_refusal_has_the_protocols_own_shape(app_factory):
     assert isinstance(v2_shape["error"], str) and "loopback" in v2_shape["error"]
 
 
+@pytest.mark.parametrize("address, loopback", [("127.0.0.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
+                                               ("10.0.0.7", False), ("::ffff:10.0.0.7", False), ("", False)])
+def test_loopback_is_recognized_in_every_form_a_dual_stack_listener_reports(address, loopback):
+    from app.access import is_loopback
+
+    assert is_loopback(address) is loopback
+
+
 def test_the_model_repository_answers_loopback_clients_only_unless_granted_to_a_header(app_factory):
     open_client = app_factory().test_client()
     for address in ("127.0.0.1", "::1", "127.8.9.10"):

@@ -1,10 +1,12 @@
 """Triton's system shared-memory extension, driven by tritonclient's own shared-memory module over HTTP and gRPC:
 inputs read from a region and outputs written into one give the answers the same request gets as bytes, every bad
-registration or use is a 400 / INVALID_ARGUMENT naming it, and an unregistered region leaves the server's maps."""
+registration or use is a 400 / INVALID_ARGUMENT naming it, and an unregistered region leaves the server's open
+files; a region whose object shrinks under the server is a 400, never a crash."""
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import numpy as np
@@ -48,9 +50,16 @@ def regions():
 
 
 def mapped_keys(server) -> str:
-    """The server process's memory maps, where a mapped shared-memory object shows as /dev/shm/<key>."""
-    with open(f"/proc/{server.process.pid}/maps") as maps:
-        return maps.read()
+    """What the server process holds of /dev/shm: its open files and its memory maps, one per line."""
+    pid = server.process.pid
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    with open(f"/proc/{pid}/maps") as maps:
+        return "\n".join(held) + maps.read()
 
 
 def test_inputs_and_outputs_through_shared_memory_match_the_same_request_as_bytes(client, server, regions):
@@ -143,6 +152,41 @@ def test_bad_registrations_and_uses_are_refused_naming_what_is_wrong(client, ser
     assert "is registered" in refusal(lambda: triton.get_system_shared_memory_status("r"))
     assert key.strip("/") not in mapped_keys(server)
     assert "Traceback" not in server.log()
+
+
+def test_a_region_shrunk_after_registration_is_refused_and_the_server_stays_up(client, server, regions):
+    """A mapped read past the object's end would end the server with SIGBUS; the server reads with pread instead."""
+    kind, triton = client
+    key, handle = regions(RED_GREEN[None].nbytes)
+    shm.set_shared_memory_region(handle, [RED_GREEN[None]])
+    triton.register_system_shared_memory("shrunk", key, RED_GREEN[None].nbytes)
+    try:
+        os.truncate("/dev/shm" + key, 16)
+        tensor = kind.InferInput("input_tensor", [1, *RED_GREEN.shape], "UINT8")
+        tensor.set_shared_memory("shrunk", RED_GREEN[None].nbytes)
+        assert "made smaller" in refusal(lambda: triton.infer("blob", [tensor]))
+        assert triton.is_server_live() and server.process.poll() is None
+    finally:
+        triton.unregister_system_shared_memory("shrunk")
+
+
+def test_an_output_region_is_checked_before_the_model_runs(client, regions):
+    kind, triton = client
+    key, _ = regions(64)
+    triton.register_system_shared_memory("small", key, 64)
+    try:
+        before = triton.get_inference_statistics("blob")
+        carried = kind.InferInput("input_tensor", [1, *RED_GREEN.shape], "UINT8")
+        carried.set_data_from_numpy(RED_GREEN[None])
+        output = kind.InferRequestedOutput("detection_boxes")
+        output.set_shared_memory("small", 128)  # past the region's 64 bytes
+        assert "past the end" in refusal(lambda: triton.infer("blob", [carried], outputs=[output]))
+        after = triton.get_inference_statistics("blob")
+        count = (lambda stats: stats["model_stats"][0]["execution_count"]) if kind is triton_http else \
+            (lambda stats: stats.model_stats[0].execution_count)
+        assert count(after) == count(before)  # refused before any model call
+    finally:
+        triton.unregister_system_shared_memory("small")
 
 
 def test_cuda_shared_memory_is_refused_as_not_implemented(server):

@@ -207,58 +207,85 @@ class Admission:
 class Streams:
     """The requests of bidirectional streams (ModelStreamInfer), run at once on a pool of their own.
 
-    Each stream has at most `limit` requests in flight (http_threads); its reader waits for room before it
-    reads the next, so a client that floods a stream is slowed by gRPC's flow control, never buffered here.
-    The model's work inside each request still passes Admission, as a unary call's does. Thread-safe.
+    At most `limit` requests (http_threads) are read ahead of their answers across every stream together: a
+    stream's reader waits for room before it reads the next, so a client that floods its streams is slowed by
+    gRPC's flow control, never buffered here. At most `max_streams` streams are open at once, since each holds
+    one of the gRPC server's threads for its whole life; one more is refused at once (RESOURCE_EXHAUSTED), so
+    idle streams can never take the threads unary calls and health checks need. The model's work inside each
+    request still passes Admission, as a unary call's does. Thread-safe.
     """
 
     _READ_ALL = object()  # the reader's last word: every request of the stream has been handed out
 
-    def __init__(self, limit: int):
-        self._limit = limit
+    def __init__(self, limit: int, max_streams: int):
+        self._room = threading.Semaphore(limit)
+        self._max_streams = max_streams
+        self._lock = threading.Lock()
+        self.open = 0
         self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="grpc-stream")
 
     def serve(self, requests, context, answer):
         """Yield `answer(request, context)` for each request of the stream as it finishes, until the client has
-        sent its last request and every answer is out, or until the client goes away."""
+        sent its last request and every answer is out, or until the client goes away. `answer` never raises: it
+        answers a failed request with its error (app/grpc/kserve.py)."""
+        with self._lock:
+            if self.open >= self._max_streams:
+                raise Overloaded(f"{self.open} streams are open, the most this server holds (half of http_threads); "
+                                 "send on an open stream, or retry shortly")
+            self.open += 1
         answers: queue.SimpleQueue = queue.SimpleQueue()
-        room = threading.Semaphore(self._limit)
         gone = threading.Event()
-        context.add_callback(lambda: (gone.set(), answers.put(self._READ_ALL)))
+        closed = threading.Event()
+
+        def close():  # once, whichever comes first: the call's end, or the last answer sent
+            with self._lock:
+                if not closed.is_set():
+                    closed.set()
+                    self.open -= 1
+
+        context.add_callback(lambda: (gone.set(), answers.put(self._READ_ALL), close()))
 
         def run(request):
             try:
                 answers.put(answer(request, context))
             finally:
-                room.release()
+                self._room.release()
 
         def read():
             count = 0
             try:
                 for request in requests:
-                    while not room.acquire(timeout=0.5):
+                    while not self._room.acquire(timeout=0.5):
                         if gone.is_set():
                             return
                     if gone.is_set():
+                        self._room.release()
+                        return
+                    try:
+                        self._pool.submit(run, request)
+                    except RuntimeError:  # the pool has shut down: the server is stopping
+                        self._room.release()
                         return
                     count += 1
-                    self._pool.submit(run, request)
             except Exception as exc:  # the client cancelled, or the connection broke, while we read
                 log.debug("a stream ended while reading: %s", exc)
             finally:
                 answers.put((self._READ_ALL, count))
 
         threading.Thread(target=read, name="grpc-stream-reader", daemon=True).start()
-        sent, total = 0, None
-        while total is None or sent < total:
-            item = answers.get()
-            if gone.is_set():
-                return
-            if isinstance(item, tuple) and item and item[0] is self._READ_ALL:
-                total = item[1]
-                continue
-            yield item
-            sent += 1
+        try:
+            sent, total = 0, None
+            while total is None or sent < total:
+                item = answers.get()
+                if gone.is_set():
+                    return
+                if isinstance(item, tuple) and item and item[0] is self._READ_ALL:
+                    total = item[1]
+                    continue
+                yield item
+                sent += 1
+        finally:
+            close()
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

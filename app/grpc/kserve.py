@@ -15,11 +15,12 @@ the others answer UNIMPLEMENTED. Errors are raised as the project's own and answ
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 from google.protobuf import json_format
 
-from ..errors import InvalidBody, RequestError
+from ..errors import InvalidBody, RequestError, grpc_status
 from ..protocol import context as request_context
 from ..protocol import repository, v2
 from ..protocol.plane import DataPlane
@@ -34,6 +35,8 @@ from .protos import grpc_service_pb2_grpc as pb_grpc
 from .protos import model_config_pb2
 
 log = logging.getLogger(__name__)
+
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 # Where each datatype's elements go in InferTensorContents; FP16 has no field (send it raw).
 CONTENTS_FIELDS = {
@@ -102,17 +105,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         final = request.parameters.get("triton_enable_empty_final_response")
         if final is not None and final.bool_param:
             parameters["triton_final_response"] = pb.InferParameter(bool_param=True)
+        started, code = time.perf_counter(), "OK"
         try:
             response = self._observed(lambda: self.ModelInfer(request, context))
         except Exception as error:
             if isinstance(error, RequestError):
-                message = error.message
+                code, message = grpc_status(error), error.message
             else:
                 log.exception("unexpected error in a ModelStreamInfer request")
-                message = "an internal error occurred; it has been logged"
+                code, message = "INTERNAL", "an internal error occurred; it has been logged"
             return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
                 model_name=request.model_name, model_version=request.model_version, id=request.id,
                 parameters=parameters))
+        finally:  # each request of a stream counts as a call of its own in detect_grpc_requests_total
+            known = self._plane.find_model(request.model_name) is not None  # a label only for a model there is
+            self._plane.metrics.observe_call(STREAM_METHOD, code, time.perf_counter() - started,
+                                             request.model_name if known else "")
         for key, value in parameters.items():
             response.parameters[key].CopyFrom(value)
         return pb.ModelStreamInferResponse(infer_response=response)

@@ -46,7 +46,7 @@ class GrpcServer:
     def __init__(self, plane: DataPlane):
         settings = plane.settings
         self.admission = Admission(settings.http_threads, plane.lifecycle)
-        self._streams = Streams(settings.http_threads)
+        self._streams = Streams(settings.http_threads, max_streams=max(1, settings.http_threads // 2))
         plane.metrics.watch_grpc_in_flight(lambda: self.admission.in_flight)
         threads = settings.http_threads + CONTROL_THREADS
         self._server = grpc.server(

@@ -5,15 +5,18 @@ by name (its key, an offset and a byte size), then names the region in an input'
 parameters (`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`): the server reads that
 input from the region and writes that output into it, so neither crosses the socket.
 
-`SharedMemoryRegions` is the one owner of the server's mappings, as Triton's shared-memory manager is: a
-region is mapped once, at registration; each request that uses it holds it (`use`) until its answer is
-written; unregistering takes the name away at once, and the mapping is closed when the last request holding
-it lets go, never under a request still reading or writing it. Thread-safe.
+`SharedMemoryRegions` is the one owner of the server's open regions, as Triton's shared-memory manager is: a
+region's object is opened once, at registration; each request that uses it holds it (`use`) until its answer
+is written; unregistering takes the name away at once, and the descriptor is closed when the last request
+holding it lets go, never under a request still reading or writing it. A region is read and written with
+pread and pwrite on that descriptor, not through a mapping: a client that shrinks its object after
+registering it then gets a 400 for a short read, where a mapped read past the object's end would end the
+whole server with SIGBUS. That costs one copy of an input, which the batch's stacking would make anyway.
+Thread-safe.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import threading
@@ -31,44 +34,46 @@ _NAME = re.compile(r"^[^\x00-\x1f]{1,256}$")
 
 @dataclass(eq=False)
 class Region:
-    """One registered region: its mapping of [offset, offset + byte_size) of the object `key`."""
+    """One registered region: [offset, offset + byte_size) of the object `key`, open on `_descriptor`."""
 
     name: str
     key: str
     offset: int
     byte_size: int
-    _mapping: mmap.mmap = field(repr=False)
+    _descriptor: int = field(repr=False)
     _users: int = 0
     _unregistered: bool = False
 
     def status(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
-    def view(self, offset: int, byte_size: int, where: str) -> memoryview:
-        """The bytes [offset, offset + byte_size) of the region, without a copy; InvalidBody past its end."""
-        self._check_span(offset, byte_size, where)
-        return memoryview(self._mapping)[self._start + offset:self._start + offset + byte_size]
+    def read(self, offset: int, byte_size: int, where: str) -> bytes:
+        """The bytes [offset, offset + byte_size) of the region; InvalidBody past its end, or if the object was
+        shrunk under it."""
+        self.check_span(offset, byte_size, where)
+        data = os.pread(self._descriptor, byte_size, self.offset + offset)
+        if len(data) != byte_size:
+            raise InvalidBody(f"{where}: shared-memory region {self.name!r} holds {len(data)} of the {byte_size} "
+                              "bytes named: its object was made smaller after it was registered")
+        return data
 
     def write(self, offset: int, data: bytes, room: int, where: str) -> None:
         """Write `data` at `offset`, within the `room` bytes the request gave it there."""
-        self._check_span(offset, room, where)
-        if len(data) > room:
-            raise InvalidBody(f"{where} needs {len(data)} bytes but its shared-memory region {self.name!r} gives it "
+        self.check_room(offset, len(data), room, where)
+        os.pwrite(self._descriptor, data, self.offset + offset)
+
+    def check_room(self, offset: int, size: int, room: int, where: str) -> None:
+        """Refuse, before any work, an output of `size` bytes that its `room` at `offset` cannot take."""
+        self.check_span(offset, room, where)
+        if size > room:
+            raise InvalidBody(f"{where} needs {size} bytes but its shared-memory region {self.name!r} gives it "
                               f"{room} (shared_memory_byte_size)")
-        self._mapping[self._start + offset:self._start + offset + len(data)] = data
 
     def close(self) -> None:
-        """Unmap the region; where an array made from it still lives, the unmapping waits for that array to go."""
-        try:
-            self._mapping.close()
-        except BufferError:  # a view of it is still referenced: the mapping goes with the last one
-            pass
+        os.close(self._descriptor)
 
-    @property
-    def _start(self) -> int:
-        return self.offset % mmap.ALLOCATIONGRANULARITY  # the mapping begins at the page holding `offset`
-
-    def _check_span(self, offset: int, byte_size: int, where: str) -> None:
+    def check_span(self, offset: int, byte_size: int, where: str) -> None:
+        """Refuse a span [offset, offset + byte_size) that runs past the region's end."""
         if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
             raise InvalidBody(f"{where}: offset {offset} and byte size {byte_size} run past the end of shared-memory "
                               f"region {self.name!r}, which holds {self.byte_size} bytes")
@@ -109,19 +114,15 @@ class SharedMemoryRegions:
                                   "registering it") from None
             except OSError as exc:
                 raise InvalidBody(f"the shared-memory object {key!r} cannot be opened: {exc.strerror}") from None
-            try:
-                size = os.fstat(descriptor).st_size
-                if offset + byte_size > size:
-                    raise InvalidBody(f"offset {offset} and byte_size {byte_size} run past the end of shared-memory "
-                                      f"object {key!r}, which holds {size} bytes")
-                start = offset - offset % mmap.ALLOCATIONGRANULARITY
-                mapping = mmap.mmap(descriptor, offset + byte_size - start, offset=start)
-            finally:
+            size = os.fstat(descriptor).st_size
+            if offset + byte_size > size:
                 os.close(descriptor)
-            self._regions[name] = Region(name, key, offset, byte_size, mapping)
+                raise InvalidBody(f"offset {offset} and byte_size {byte_size} run past the end of shared-memory "
+                                  f"object {key!r}, which holds {size} bytes")
+            self._regions[name] = Region(name, key, offset, byte_size, descriptor)
 
     def unregister(self, name: Optional[str] = None) -> None:
-        """Take region `name` (every region when None) away; its mapping closes once no request holds it. A name
+        """Take region `name` (every region when None) away; its descriptor closes once no request holds it. A name
         not registered is no error, as Triton has it: clients unregister before they register, to start clean."""
         with self._lock:
             if name is None:
@@ -143,7 +144,7 @@ class SharedMemoryRegions:
 
     @contextmanager
     def use(self, name: str, where: str) -> Iterator[Region]:
-        """Hold region `name` for one request: it stays mapped until the request lets go, even if unregistered."""
+        """Hold region `name` for one request: it stays open until the request lets go, even if unregistered."""
         with self._lock:
             region = self._regions.get(name)
             if region is None:

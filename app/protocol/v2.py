@@ -161,51 +161,56 @@ def infer(plane: DataPlane, model, parsed: InferRequest, deadline_within: Callab
     """
     options = request_options(parsed.parameters, plane.settings)
     deadline = deadline_within(options.timeout_s)
-    with ExitStack() as regions:  # the shared-memory regions the request names stay mapped until it is answered
-        parsed = read_shared_memory(plane, parsed, regions)
+    with ExitStack() as regions:  # the shared-memory regions the request names stay open until it is answered
+        parsed, placed_outputs = read_shared_memory(plane, parsed, regions)
         with admit(model):
             signature = plane.signature_of(model, deadline)
             prepare = request_images(plane, parsed, model, signature)
             wanted = wanted_outputs(parsed, signature)
             run = plane.run_images(model, prepare, deadline)
         tensors = output_tensors(run, wanted, model.labels, options)
-        tensors = write_shared_memory(plane, parsed, tensors, regions)
+        tensors = write_shared_memory(tensors, placed_outputs)
     return Inferred(model.name, run.version, parsed.id, tensors)
 
 
-def read_shared_memory(plane: DataPlane, parsed: InferRequest, regions: ExitStack) -> InferRequest:
-    """The request with each input that lies in shared memory read from its region (a view, not a copy); the
-    regions are held on `regions` until the request is answered."""
+def read_shared_memory(plane: DataPlane, parsed: InferRequest, regions: ExitStack) -> tuple[InferRequest, dict]:
+    """Hold every shared-memory region the request names until it is answered (on `regions`): return the request
+    with each input that lies in one read from it, and, for each output to be written into one, its region and
+    place, checked now so that a bad one is refused before any model work."""
+    placed_outputs = {}
+    for output in parsed.outputs or ():
+        target = output.shared_memory
+        if target is not None:
+            where = f"output {output.name!r}"
+            region = regions.enter_context(plane.shared_memory.use(target.region, where))
+            region.check_span(target.offset, target.byte_size, where)
+            placed_outputs[output.name] = (region, target)
     if not any(tensor.shared_memory is not None for tensor in parsed.inputs):
-        return parsed
+        return parsed, placed_outputs
     inputs = []
     for tensor in parsed.inputs:
         placed = tensor.shared_memory
         if placed is not None:
             where = f"input {tensor.name!r}"
             region = regions.enter_context(plane.shared_memory.use(placed.region, where))
-            data = binary_data(region.view(placed.offset, placed.byte_size, where), tensor.datatype, tensor.shape,
-                               where)
+            data = binary_data(memoryview(region.read(placed.offset, placed.byte_size, where)), tensor.datatype,
+                               tensor.shape, where)
             tensor = replace(tensor, data=data)
         inputs.append(tensor)
-    return replace(parsed, inputs=tuple(inputs))
+    return replace(parsed, inputs=tuple(inputs)), placed_outputs
 
 
-def write_shared_memory(plane: DataPlane, parsed: InferRequest, tensors: list[tuple[Tensor, bool]],
-                        regions: ExitStack) -> list[tuple[Tensor, bool]]:
-    """Write each output the request asked for in shared memory into its region; the answer names the region and
-    the bytes written there instead of carrying the data."""
-    placed = {output.name: output.shared_memory for output in parsed.outputs or () if output.shared_memory}
-    if not placed:
+def write_shared_memory(tensors: list[tuple[Tensor, bool]], placed_outputs: dict) -> list[tuple[Tensor, bool]]:
+    """Write each output the request asked for in shared memory into the region held for it; the answer names the
+    region and the bytes written there instead of carrying the data."""
+    if not placed_outputs:
         return tensors
     written = []
     for tensor, binary in tensors:
-        target = placed.get(tensor.name)
-        if target is not None:
-            where = f"output {tensor.name!r}"
+        if tensor.name in placed_outputs:
+            region, target = placed_outputs[tensor.name]
             data = tensor_bytes(tensor)
-            region = regions.enter_context(plane.shared_memory.use(target.region, where))
-            region.write(target.offset, data, target.byte_size, where)
+            region.write(target.offset, data, target.byte_size, f"output {tensor.name!r}")
             tensor = replace(tensor, data=None, shared_memory=replace(target, byte_size=len(data)))
         written.append((tensor, binary))
     return written
