@@ -115,7 +115,7 @@ class DataPlane:
 
     def ready(self) -> bool:
         """Whether the server is ready: every preloaded model loaded, none failed, shutdown not begun."""
-        return self.models.ready and not self.draining
+        return self.not_ready() is None
 
     # Finding models ----------------------------------------------------------------------------------
 

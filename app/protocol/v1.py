@@ -38,12 +38,10 @@ def predict(plane: DataPlane, model, deadline: float, read_images: ImageReader,
 
 
 def model_statuses(plane: DataPlane, name: str, version: Optional[str], shown_version: str) -> list[dict]:
-    """The model_version_status list of model `name`, of one version if `version` is given (NotFound for an
-    unknown model, VersionNotFound for a version not loading, served or failed; `shown_version` is how the
-    message names it)."""
-    models = plane.models
-    models.get(name)  # NotFound for an unknown name
-    statuses = version_statuses(models.describe([name])[0])
+    """The model_version_status list of model `name`, which the caller has found (each door in its own order of
+    checks), of one version if `version` is given (VersionNotFound for a version not loading, served or failed;
+    `shown_version` is how the message names it)."""
+    statuses = version_statuses(plane.models.describe([name])[0])
     if version is not None:
         statuses = [s for s in statuses if s["version"] == version]
         if not statuses:

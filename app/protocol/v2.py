@@ -20,7 +20,7 @@ shape. The model metadata lists `image` and `detections` under parameters.extra_
 from __future__ import annotations
 
 import json
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -260,14 +260,10 @@ def _number(parameters: dict, key: str, default, kind: type):
     """The parameter `key` as `kind` (int or float), from a number or a string holding one; `default` if absent."""
     value = parameters.get(key, default)
     if isinstance(value, str):
-        text = value.strip()
-        try:
-            value = int(text) if kind is int else float(text)
-        except ValueError:
-            raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and type(value) is not int):
-        raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}")
-    if kind is float and value != value:  # NaN
+        with suppress(ValueError):  # a string that holds no number is refused below, as it was sent
+            value = int(value.strip()) if kind is int else float(value.strip())
+    valid = type(value) is int if kind is int else type(value) in (int, float) and value == value  # not NaN
+    if not valid:
         raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}")
     return value
 
