@@ -169,8 +169,15 @@ class _ModelCollector:
                                 labels=("model",))
         tensorflow = GaugeMetricFamily("detect_model_tensorflow_memory_bytes", "GPU memory TensorFlow's allocator "
                                        "uses in the model's worker.", labels=("model",))
+        execution = GaugeMetricFamily("detect_model_precision_info", "1 for the precision the model's loaded "
+                                      "version computes at, with the parity gate's word (passed, failed, skipped, "
+                                      "none).", labels=("model", "version", "precision", "asked", "gate"))
         for row in self._models.describe():
             name = row["name"]
+            executes = row.get("execution")
+            if executes and row["pid"]:
+                execution.add_metric((name, str(row["version"]), executes["precision"], executes["asked"],
+                                      executes["gate"]), 1.0)
             loaded.add_metric((name,), 1.0 if row["state"] in ("ready", "unloading") and row["pid"] else 0.0)
             depth.add_metric((name,), row["queue_depth"])
             caps = [c for c in row["caps_mib"].values() if c is not None]
@@ -182,7 +189,7 @@ class _ModelCollector:
             used = [g.get("current_mib") for g in held.get("tensorflow", [])] if held else []
             if used and all(u is not None for u in used):
                 tensorflow.add_metric((name,), sum(used) * MIB)
-        yield from (loaded, depth, memory, cap, tensorflow)
+        yield from (loaded, depth, memory, cap, tensorflow, execution)
 
 
 class _GpuMemoryCollector:

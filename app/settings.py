@@ -126,6 +126,15 @@ def _origins(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(origins))
 
 
+def _precision(value: Any) -> str:
+    from .inference.accelerators import PRECISIONS
+
+    word = str(value).strip().lower()
+    if word not in PRECISIONS:
+        raise ValueError(f"expected one of {', '.join(PRECISIONS)}")
+    return word
+
+
 def _port_or_off(value: Any) -> Optional[int]:
     if str(value).strip().lower() == "off":
         return None
@@ -263,6 +272,18 @@ class Settings:
         300.0, _float_in(0.0, 30 * 86400.0), "unload a model idle this long, giving its memory back (s; 0: never)"
     )
     preload: bool = _setting(True, _bool, "load models at boot (false: at their first request)")
+    # Execution accelerators (docs/concepts/precision.md). auto, because where it picks nothing it is fp32 at no
+    # cost, and where it picks bf16 it was 1.3 to 1.55x fp32's speed for objects and shapes here, with the same
+    # answers (docs/measured.md#precision). Faces was slower in bf16, so auto also times its pick at load.
+    precision: str = _setting(
+        "auto", _precision,
+        "how a model computes: auto (bf16 on a CPU with native bf16, fp16 on a GPU with tensor cores, else fp32), "
+        "fp32, bf16 or fp16; a reduced one only where the parity gate passes"
+    )
+    parity_gate: bool = _setting(
+        True, _bool, "check a reduced precision against fp32 on the model's reference photos at load "
+        "(false: run it unchecked, with a warning)"
+    )
     # Five seconds: listing a few folders is free, and a new version then serves within seconds of landing.
     model_poll_s: float = _setting(
         5.0, _float_in(0.0, 86400.0), "look for new model versions this often (s; 0: never)"
@@ -304,7 +325,7 @@ class Settings:
 
 # What a [models.<name>] table may set; everything else is server-wide.
 PER_MODEL_KEYS = ("gpu_memory", "gpus", "max_batch_size", "max_batch_delay_ms", "inference_threads", "max_queue",
-                  "idle_unload_s", "preload")
+                  "idle_unload_s", "preload", "precision", "parity_gate")
 
 
 @dataclass(frozen=True)
@@ -319,6 +340,8 @@ class ModelSettings:
     max_queue: int
     idle_unload_s: float
     preload: bool
+    precision: str
+    parity_gate: bool
 
 
 def env_name(name: str) -> str:
@@ -338,6 +361,7 @@ SETTING_GROUPS = (
     ("GPU memory", ("gpu_memory", "gpus", "gpu_total_mib", "gpu_overhead_mib")),
     ("Model workers", ("preload", "spare_workers", "idle_unload_s", "model_poll_s", "load_timeout_s", "max_failures",
                        "failure_window_s", "restart_backoff_s")),
+    ("Execution: precision", ("precision", "parity_gate")),
     ("Requests and images", ("max_images_per_request", "default_threshold", "max_body_bytes", "max_image_pixels",
                              "decode_at_model_size")),
     ("Scheduling: batching, concurrency, admission", ("max_batch_size", "max_batch_delay_ms", "inference_threads",

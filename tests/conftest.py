@@ -191,8 +191,10 @@ def start_server(env: dict, log_path: Path, args: list[str] = (), ready: bool = 
 
     notifications = Notifications()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DETECT_")}
+    # fp32 unless a test asks otherwise: answers and what /models says are then the same on every CI machine,
+    # with native bf16 or without; tests/test_precision.py runs the others.
     full_env.update({"DETECT_PORT": "0", "DETECT_GRPC_PORT": "0", "DETECT_LOG_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2",
-                     "DETECT_NOTIFY_FD": str(notifications.child_fd), **env})
+                     "DETECT_PRECISION": "fp32", "DETECT_NOTIFY_FD": str(notifications.child_fd), **env})
     full_env = {key: value for key, value in full_env.items() if value is not None}
     with log_path.open("wb") as handle:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(

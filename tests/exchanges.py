@@ -79,6 +79,7 @@ VARYING_HEADERS = {"date", "expires", "etag", "last-modified", "server"}
 VARYING_KEYS = {
     "timing_ms",  # /detect's decode, inference, total and stage times
     "pid", "rss_mib", "memory",  # worker processes and what they hold
+    "hardware",  # the CPU or GPU a model computes on (its precision's reason names the machine)
     "last_load_s", "last_used_unix", "last_load_unix", "now_unix",
     "ns", "last_inference",  # the statistics extension's times (its counts are kept)
 }

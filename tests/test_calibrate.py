@@ -59,18 +59,22 @@ class MeteredDetector:
     def __init__(self, detector, memory: GpuMemory):
         self._detector, self._memory = detector, memory
         self.max_batch, self.input_shape, self.image_shape = detector.max_batch, detector.input_shape, detector.image_shape
+        self.model = detector.model
         memory.loaded()
 
     def run(self, batch):
         self._memory.call(batch)
         return self._detector.run(batch)
 
+    def detect(self, images, *args, **kwargs):
+        return self._detector.detect(images, *args, **kwargs)
+
 
 def _phase(detector, library, runs: list):
-    def run_phase(spec, model, gpu, batch, width, height, requests, concurrent=1):
+    def run_phase(spec, model, gpu, batch, width, height, requests, concurrent=1, execution=None):
         memory = GpuMemory(library, spec)
         result = measure(spec, model, gpu, batch, width, height, requests, concurrent=concurrent,
-                         nvml_library=library,
+                         nvml_library=library, execution=execution,
                          tf_config=FakeTfConfig(gpus=1), tf_memory=memory.tf_memory,
                          load=lambda path: MeteredDetector(detector, memory), pid=PID, interval_s=0.01)
         runs.append((spec, result))

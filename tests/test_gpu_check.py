@@ -269,11 +269,20 @@ def stand_in_gpu(tmp_path, monkeypatch):
     return folder
 
 
-def _run(tmp_path, library, folder, backends=("cupy",)):
+# What tools/gpu_check/precision.py's TensorFlow child says on an H200 (no TensorFlow on the stand-in GPU).
+H200_PRECISION = {"gpus": ["NVIDIA H200"], "compute_capability": [9, 0], "tensorflow": "2.21.0",
+                  "execution": {"precision": "fp16", "asked": "auto", "gate": "passed", "hardware": "NVIDIA H200",
+                                "reason": "auto: fp16 on tensor cores", "parity": {
+                                    "photos": 4, "detections": 9, "matched": 9, "max_score_difference": 0.004,
+                                    "min_iou": 0.99, "problems": []}},
+                  "ms_per_image": {"fp32": 2.1, "fp16": 1.2}}
+
+
+def _run(tmp_path, library, folder, backends=("cupy",), tensorflow_child=lambda gpu: H200_PRECISION):
     out = tmp_path / "out"
     status, report = gpu_check.check_gpu(["--out", str(out)], out, 0, list(backends), [2048, 5120],
                                          nvidia_smi=_nvidia_smi(tmp_path, folder), nvml_library=library,
-                                         holder_script=FAKE_HOLDER)
+                                         holder_script=FAKE_HOLDER, tensorflow_child=tensorflow_child)
     assert json.loads((out / "gpu-check.json").read_text()) == json.loads(json.dumps(report))
     assert (out / "gpu-check.txt").read_text().startswith("gpu-check: NVIDIA H200")
     return status, report, {c["name"]: c for c in report["checks"]}
@@ -328,3 +337,19 @@ def test_no_holder_that_can_use_the_gpu_means_it_cannot_run(tmp_path, stand_in_g
     with pytest.raises(gpu_check.CannotRun, match="cannot use the GPU: RuntimeError: no CUDA device"):
         gpu_check.check_gpu([], tmp_path / "out", 0, ["broken"], [2048], nvml_library=HolderGpu(stand_in_gpu),
                             holder_script=FAKE_HOLDER)
+
+
+def test_the_precision_claims_are_judged_from_the_tensorflow_childs_figures():
+    from tools.gpu_check.precision import judge, precision_checks
+
+    assert [c.outcome for c in judge(H200_PRECISION)] == [PASS, PASS, PASS]
+    fp32_on_tensor_cores = {**H200_PRECISION, "execution": {**H200_PRECISION["execution"], "precision": "fp32",
+                                                            "gate": "failed"}}
+    assert [c.outcome for c in judge(fp32_on_tensor_cores)] == ["fail", "fail", PASS]
+    slower = {**H200_PRECISION, "ms_per_image": {"fp32": 1.0, "fp16": 1.5}}
+    assert [c.outcome for c in judge(slower)][-1] == "warn"
+    pascal = {**H200_PRECISION, "compute_capability": [6, 0],
+              "execution": {**H200_PRECISION["execution"], "precision": "fp32"}}
+    assert [c.outcome for c in judge(pascal)] == [PASS]  # no tensor cores: fp32, nothing more to check
+    assert judge({"gpus": []})[0].outcome == "skip" and judge({"error": "exit status 1"})[0].outcome == "fail"
+    assert precision_checks(0, lambda gpu: {"gpus": []})[0].detail.startswith("TensorFlow sees no GPU")

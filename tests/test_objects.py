@@ -36,18 +36,7 @@ PARITY = ROOT / "tests" / "parity"
 MAX_DETECTIONS = 100
 SKIMAGE_DATA = Path(__import__("skimage").__file__).parent / "data"
 
-# Photos that ship with scikit-image, the object each shows and its box (x_min, y_min, x_max, y_max),
-# measured by hand on a 50 px grid: the astronaut from her hair to the frame's foot (the helmet she
-# holds apart), the cameraman from his hair to the foot and from the frame's left to his hand, the cat
-# filling the frame but for the background right of its ear, the motorcycle from the tail light to the
-# front tyre and the mirror to the tyres, the horse silhouette from its tail to its nose and ears to hooves.
-KNOWN = {
-    "astronaut": ("astronaut.png", "person", (20, 15, 365, 512)),
-    "camera": ("camera.png", "person", (0, 65, 330, 512)),
-    "chelsea": ("chelsea.png", "cat", (0, 0, 440, 300)),
-    "motorcycle_left": ("motorcycle_left.png", "motorcycle", (92, 75, 685, 452)),
-    "horse": ("horse.png", "horse", (17, 8, 390, 313)),
-}
+KNOWN = export_objects.HAND_MEASURED  # photo: (file, the object it shows, its box measured by hand)
 # Photos with none of the 80 classes: textures, text, a rocket, the moon, a chessboard.
 NOTHING = ("brick.png", "grass.png", "gravel.png", "text.png", "rocket.jpg", "moon.png", "chessboard_RGB.png")
 PARITY_PHOTOS = ("astronaut.png", "camera.png", "chelsea.png", "motorcycle_left.png", "coffee.png", "rocket.jpg")

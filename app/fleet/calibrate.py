@@ -69,6 +69,8 @@ class PhaseResult:
     gpu_name: str = ""
     pid_visible: bool = True  # False: NVML never showed the pid; its figures are the GPU's change since start
     error: Optional[str] = None  # the load failed (out of memory, say)
+    precision: str = "fp32"  # what the model computed at, settled as a worker settles it (app/inference/parity.py)
+    precision_reason: str = ""
 
     @property
     def tf_peak_mib(self) -> Optional[float]:
@@ -105,10 +107,13 @@ def measured_overhead(result: PhaseResult, cap_mib: int) -> Optional[int]:
 
 def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, height: int, requests: int, *,
             concurrent: int = 1, nvml_library=None, tf_config=None, tf_memory: Optional[Callable[[], list[dict]]] = None,
-            load: Optional[Callable] = None, pid: Optional[int] = None, interval_s: float = 0.1) -> PhaseResult:
+            load: Optional[Callable] = None, pid: Optional[int] = None, interval_s: float = 0.1,
+            execution: Optional[dict] = None) -> PhaseResult:
     """Apply `spec` to one GPU, load the model, run `requests` calls of one synthetic batch, and sample memory.
 
-    `concurrent` threads share the calls, as the service's inference threads do.
+    `concurrent` threads share the calls, as the service's inference threads do. The model computes at the
+    precision a worker would settle on for it: `execution` holds its `precision`, `parity_gate` and `threshold`
+    (default: fp32), since fp16's activations are not fp32's.
 
     Call in a process whose TensorFlow has not touched the GPU yet. Raise CalibrationError where
     there is no GPU; a load that fails (out of memory) comes back as PhaseResult.error.
@@ -137,11 +142,15 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
         if load is None:
             from ..inference.detector import load_detector as load
         detector = load(model)
+        from ..inference.parity import settle_detector
+
+        settled = settle_detector(detector, tf_config=tf_config, **_execution(execution))
         batch = min(batch, detector.max_batch or batch)
         height = detector.image_shape[1] or height  # a model with a fixed input size gets that size
         width = detector.image_shape[2] or width
         result = PhaseResult(policy=str(spec), batch=batch, width=width, height=height, gpu_name=device.name,
-                             pid_visible=False, concurrent=concurrent)
+                             pid_visible=False, concurrent=concurrent, precision=settled.precision,
+                             precision_reason=settled.reason)
         image = np.random.default_rng(0).integers(0, 256, (1, height, width, 3), dtype=np.uint8)
         images = np.repeat(image, batch, axis=0)
         started = time.monotonic()
@@ -216,12 +225,17 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
         nvml.close()
 
 
-def _phase_process(connection, spec_text, model, gpu, batch, width, height, requests, concurrent) -> None:
+def _execution(execution: Optional[dict]) -> dict:
+    """The precision settings `measure` settles the model with: fp32 unless given."""
+    return {"asked": "fp32", "gate": True, "threshold": 0.5, **(execution or {})}
+
+
+def _phase_process(connection, spec_text, model, gpu, batch, width, height, requests, concurrent, execution) -> None:
     """Run `measure` in a fresh process and send back its result (or its error)."""
     logging.basicConfig(level="WARNING", stream=sys.stderr)
     try:
         result = measure(parse_memory_spec(spec_text), model, gpu, batch, width, height, requests,
-                         concurrent=concurrent)
+                         concurrent=concurrent, execution=execution)
         connection.send(("ok", asdict(result)))
     except DetectError as exc:
         connection.send(("error", exc.message))
@@ -232,14 +246,15 @@ def _phase_process(connection, spec_text, model, gpu, batch, width, height, requ
 
 
 def run_phase_in_child(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, height: int,
-                       requests: int, concurrent: int = 1) -> PhaseResult:
+                       requests: int, concurrent: int = 1, execution: Optional[dict] = None) -> PhaseResult:
     """Run one measured load in a fresh process, so its memory policy applies before TensorFlow starts."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_phase_process, args=(send, str(spec), model, gpu, batch, width, height,
-                                                           requests, concurrent), name=f"calibrate-{spec}")
+                                                           requests, concurrent, execution),
+                                      name=f"calibrate-{spec}")
     process.start()
     send.close()
     try:
@@ -265,16 +280,20 @@ class Calibration:
 
 def calibrate(model: str, gpu: int, batch: int, width: int, height: int, requests: int,
               headroom_percent: float = 20.0,
-              run_phase: Callable[..., PhaseResult] = run_phase_in_child, concurrent: int = 1) -> Calibration:
-    """Run the growth load, recommend a cap, then run under the cap to measure the overhead."""
-    growth = run_phase(MemorySpec(mode="growth"), model, gpu, batch, width, height, requests, concurrent)
+              run_phase: Callable[..., PhaseResult] = run_phase_in_child, concurrent: int = 1,
+              execution: Optional[dict] = None) -> Calibration:
+    """Run the growth load, recommend a cap, then run under the cap to measure the overhead.
+
+    `execution` (asked, gate, threshold) settles the precision both runs compute at, as the model's worker would.
+    """
+    growth = run_phase(MemorySpec(mode="growth"), model, gpu, batch, width, height, requests, concurrent, execution)
     if growth.error is not None:
         raise CalibrationError(f"the load failed with memory growth: {growth.error}")
     if growth.tf_peak_mib is None:
         raise CalibrationError("TensorFlow reported no memory figures for the GPU")
     cap = recommend_cap(growth.tf_peak_mib, headroom_percent)
     capped = run_phase(MemorySpec(mode="cap", cap_mib=cap), model, gpu, growth.batch, growth.width, growth.height,
-                       requests, concurrent)
+                       requests, concurrent, execution)
     overhead = measured_overhead(capped, cap) if capped.error is None else None
     return Calibration(growth, capped, Recommendation(cap, growth.tf_peak_mib, headroom_percent, overhead))
 
@@ -353,11 +372,13 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
     concurrent = args.concurrent or own.inference_threads
     side = math.isqrt(settings.max_image_pixels)
     width, height = args.image_size or (side, side)
+    execution = {"asked": own.precision, "gate": own.parity_gate, "threshold": settings.default_threshold}
     print(f"calibrating {args.model} ({version.name} version {version.version}) on GPU {args.gpu}: "
-          f"{args.requests} calls of up to {batch} image(s) of {width}x{height}, {concurrent} at once", flush=True)
+          f"{args.requests} calls of up to {batch} image(s) of {width}x{height}, {concurrent} at once, "
+          f"precision {own.precision}", flush=True)
     try:
         result = calibrate(args.model, args.gpu, batch, width, height, args.requests, args.headroom, run_phase,
-                           concurrent)
+                           concurrent, execution)
     except CalibrationError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2 if exc.message.startswith(NEEDS_GPU) else 1
@@ -389,6 +410,8 @@ def report(result: Calibration) -> str:
     lines = [
         f"load: {growth.requests} call(s) of {growth.batch} x {growth.width}x{growth.height}, "
         f"{growth.concurrent} at once, on {growth.gpu_name or 'the GPU'} in {growth.seconds:g} s (memory growth)",
+        f"precision: {growth.precision} ({growth.precision_reason}); a cap measured at one precision does not hold "
+        "at another",
         f"TensorFlow peak: {rec.tf_peak_mib:.1f} MiB; the process held {_mib(growth.nvml_peak_mib)} in NVML's view "
         "(growth never gives memory back)",
         f"recommended cap: {rec.cap_mib} MiB (peak + {rec.headroom_percent:g}%)",

@@ -48,7 +48,7 @@ from ..settings import Settings
 from ..supervision import RestartRule
 from .history import MemoryHistory, sample_memory
 from .repository import ModelRepository, ModelVersion
-from .served import ServedModel
+from .served import ServedModel, settled_key
 from .workers import WorkerPool, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,10 @@ class ModelRegistry:
         worker.reservation, worker.reserved_at = key, reserved_at
         try:
             worker.load(version, {"gpu_memory": str(model.settings.gpu_memory),
-                                  "gpus": _gpus_text(model.settings.gpus)},
+                                  "gpus": _gpus_text(model.settings.gpus),
+                                  "precision": model.settings.precision, "parity_gate": model.settings.parity_gate,
+                                  "threshold": self.settings.default_threshold,
+                                  "settled": model.settled.get(settled_key(version))},
                         lanes=model.settings.inference_threads, timeout_s=self.settings.load_timeout_s)
         except DetectError:
             if not worker.wait(10.0):  # a failed load exits; its reservation goes with it
@@ -355,6 +358,8 @@ class ModelRegistry:
             "last_load_unix": model.last_load_unix,
             "unloaded_by_request": model.unloaded_by_request,
             "signature": worker.loaded.get("signature") if worker is not None and worker.loaded else None,
+            # how the loaded version computes: the precision in force and why, the parity gate's word; None unloaded
+            "execution": worker.loaded.get("execution") if worker is not None and worker.loaded else None,
             # the label map of the version last loaded, in id order; [] before a first load
             "labels": [model.labels[k] for k in sorted(model.labels)],
         }

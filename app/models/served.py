@@ -88,6 +88,11 @@ class ServedModel:
         # protocol metadata answers without a load: the contract's view, and the signature_def map.
         self.signature: Optional[dict] = None
         self.signature_defs: Optional[dict] = None
+        # How the version last loaded computes (app/inference/parity.py's Execution, as JSON); None before. And
+        # what each version settled on at its first load (by settled_key), handed to its next worker instead of a
+        # new check.
+        self.execution: Optional[dict] = None
+        self.settled: dict[str, dict] = {}
         self._working_size: tuple[Optional[Path], Optional[WorkingSize]] = (None, None)  # (version folder, its size)
         self._attempt: Optional[_Attempt] = None
         self._history = ExitHistory(host.restart_rule)
@@ -289,6 +294,9 @@ class ServedModel:
         self.labels = _labels_of(version)
         self.signature = worker.loaded.get("signature")
         self.signature_defs = worker.loaded.get("signature_defs")
+        self.execution = worker.loaded.get("execution")
+        if self.execution is not None:
+            self.settled[settled_key(version)] = self.execution
         model_batch = worker.loaded.get("max_batch")
         self.queue.set_max_batch(min(self.settings.max_batch_size, model_batch or self.settings.max_batch_size))
         now = time.monotonic()
@@ -573,3 +581,12 @@ def _policy_text(worker: WorkerProcess) -> str:
     if not gpus:
         return f"GPU memory policy {policy.get('spec')}: {policy.get('note')}"
     return f"GPU memory policy {policy.get('spec')} on GPU(s) {', '.join(str(g['index']) for g in gpus)}"
+
+
+def settled_key(version: ModelVersion) -> str:
+    """A version as its precision was settled: its number, and its SavedModel's size and time (one copied over)."""
+    try:
+        stat = (version.path / "saved_model.pb").stat()
+    except OSError:
+        return version.version
+    return f"{version.version}:{stat.st_size}:{stat.st_mtime_ns}"

@@ -3,8 +3,9 @@
 A worker starts as a spare: it imports TensorFlow (the slow part, about 3.5 s here), creates no tensor
 and applies no memory policy, says `spare` on its control channel and waits. Given a model (`load`),
 it applies that model's memory policy (TensorFlow's GPUs are still uninitialized, so the policy takes
-effect), loads and warms the model, says `loaded` with the signature, and then serves model calls on
-its lanes: each lane is a socket and a shared-memory buffer, served by a thread of its own, so that
+effect), loads the model, settles its precision behind the parity gate (app/inference/parity.py),
+warms it, says `loaded` with the signature and how it computes, and then serves model calls on its
+lanes: each lane is a socket and a shared-memory buffer, served by a thread of its own, so that
 `inference_threads` calls run at once. A load that fails says `load_failed` and exits with BOOT_ERROR.
 
 The control channel also takes `stats` (TensorFlow's allocator figures) and `stop`. When the HTTP
@@ -33,6 +34,7 @@ class ModelWorker:
         self.control = control
         self.detector = None
         self.policy = None
+        self.execution = None
         self._lanes: list[threading.Thread] = []
         self._calls = threading.local()  # per lane: out-of-memory events in the call under way
 
@@ -41,6 +43,7 @@ class ModelWorker:
         from ..gpu.memory_policy import parse_gpu_list, parse_memory_spec
         from ..gpu.setup import setup_gpus
         from ..inference.detector import load_detector
+        from ..inference.parity import carry_over, settle_detector
         from .channel import Channel, SharedBuffer
 
         model = request["model"]
@@ -51,6 +54,13 @@ class ModelWorker:
         self.policy = setup.policy
         self.detector = load_detector(model["path"], memory_limit=setup.policy.memory_limit(),
                                       on_out_of_memory=self._out_of_memory)
+        if model.get("settled"):  # this version's choice at an earlier load: its check is not repeated
+            self.execution = carry_over(model["settled"])
+        else:
+            self.execution = settle_detector(self.detector, model.get("precision", "fp32"),
+                                             bool(model.get("parity_gate", True)), float(model.get("threshold", 0.5)))
+        (log.info if self.execution.gate != "failed" else log.warning)(
+            "model %s executes in %s", model["name"], self.execution.describe())
         self.detector.warm_up()
         lanes = len(fds) // 2
         for i in range(lanes):
@@ -217,6 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _say(control, {"event": "loaded", "signature": worker.detector.signature(),
                    "signature_defs": worker.detector.signature_defs(),
                    "max_batch": worker.detector.max_batch, "policy": worker.policy.to_json(),
+                   "execution": worker.execution.to_json(),
                    "seconds": round(time.perf_counter() - began, 3)})
     log.info("model %s loaded and warmed in %.2f s (%s)", name, time.perf_counter() - began, worker.policy.describe())
     return worker.run()

@@ -76,6 +76,11 @@ def describe(model, signature: dict) -> dict:
 CONFIG_TYPES = {"UINT8": "TYPE_UINT8", "FP32": "TYPE_FP32", "BYTES": "TYPE_STRING"}
 
 
+# The precision in force, as Triton's model configuration names an execution accelerator: (list, name).
+ACCELERATORS = {"fp16": ("gpu_execution_accelerator", "auto_mixed_precision"),
+                "bf16": ("cpu_execution_accelerator", "auto_mixed_precision_onednn_bfloat16")}
+
+
 def model_config(plane: DataPlane, model, described: dict) -> dict:
     """The model's configuration in Triton's JSON form (what its HTTP config route and, as a ModelConfig
     message, its gRPC ModelConfig answer): the tensors from the signature, and the batching, queue and
@@ -99,6 +104,9 @@ def model_config(plane: DataPlane, model, described: dict) -> dict:
         "instance_group": [{"name": model.name, "kind": "KIND_MODEL", "count": settings.inference_threads,
                             "gpus": list(settings.gpus or ())}],
     }
+    accelerator = ACCELERATORS.get((model.execution or {}).get("precision"))
+    if accelerator is not None:  # Triton's TensorFlow backend names fp16 so; bf16 is ours, in the CPU's list
+        config["optimization"] = {"execution_accelerators": {accelerator[0]: [{"name": accelerator[1]}]}}
     if batched:
         config["dynamic_batching"] = {
             # No preferred sizes: a batch takes all the queue holds, up to max_batch_size, as Triton does without them.

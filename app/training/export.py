@@ -17,7 +17,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from .data import CLASSES
+from ..inference.parity import add_reference_photos
+from .data import CLASSES, heldout_scenes
 from .model import CROP_SIZE, NetConfig, box_distances, cell_centres, crop_objects, fold, preprocess
 from .train import load_net
 
@@ -25,6 +26,7 @@ PEAKS = 20  # boxes per image the classifier looks at; scenes hold at most 10 ob
 MAX_DETECTIONS = 80  # PEAKS x 4 classes
 MIN_SCORE = 0.01  # num_detections counts the outputs scored at least this; the rest is padding
 INFO_FILE = "model_info.json"
+REFERENCE_SCENES = 3  # the parity gate's photos: the first held-out scenes, about 20 shapes in all
 
 
 class ShapesDetector(tf.Module):
@@ -98,4 +100,19 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
         "network": config.to_json(),
     }
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    add_reference_photos(out, reference_jpegs())
     return out
+
+
+def reference_jpegs() -> dict[str, bytes]:
+    """The first held-out scenes as JPEG quality 90: the first one is samples/scene.jpg."""
+    import io
+
+    from PIL import Image
+
+    photos = {}
+    for index, held_out in enumerate(heldout_scenes(REFERENCE_SCENES)):
+        buffer = io.BytesIO()
+        Image.fromarray(held_out.image).save(buffer, format="JPEG", quality=90, optimize=True)
+        photos[f"heldout-{index}.jpg"] = buffer.getvalue()
+    return photos

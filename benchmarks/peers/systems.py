@@ -33,16 +33,23 @@ class System:
     title: str
     peer: Optional[str]  # the venv's name; None for this service
     spare_workers: Optional[int] = None  # this service only
+    precision: Optional[str] = None  # this service only: None, its default (auto)
     settings: dict = field(default_factory=dict)  # what changes its figures, for the docs
 
 
 SYSTEMS = {
-    "service": System("service", "this service (defaults: 1 spare worker)", None, spare_workers=1,
+    "service": System("service", "this service (defaults: 1 spare worker, precision auto)", None, spare_workers=1,
                       settings={"max_batch_size": 16, "max_batch_delay_ms": 0, "inference_threads": 2,
-                                "spare_workers": 1, "protocol": "POST /detect, the JPEG as the body"}),
+                                "spare_workers": 1, "precision": "auto (bf16 where the CPU has native bf16)",
+                                "protocol": "POST /detect, the JPEG as the body"}),
+    "service-fp32": System("service-fp32", "this service, precision = fp32", None, spare_workers=1, precision="fp32",
+                           settings={"max_batch_size": 16, "max_batch_delay_ms": 0, "inference_threads": 2,
+                                     "spare_workers": 1, "precision": "fp32",
+                                     "protocol": "POST /detect, the JPEG as the body"}),
     "service-no-spare": System("service-no-spare", "this service, spare_workers = 0", None, spare_workers=0,
                                settings={"max_batch_size": 16, "max_batch_delay_ms": 0, "inference_threads": 2,
-                                         "spare_workers": 0, "protocol": "POST /detect, the JPEG as the body"}),
+                                         "spare_workers": 0, "precision": "auto",
+                                         "protocol": "POST /detect, the JPEG as the body"}),
     "ray": System("ray", "Ray Serve", "ray",
                   settings={"@serve.batch": "max_batch_size=16, batch_wait_timeout_s=0.005",
                             "max_ongoing_requests": "64 (default 5)", "num_replicas": 1,
@@ -136,6 +143,8 @@ def launch(system: System, model: Path, service_root: Path, venvs: Path, work: P
     if system.peer is None:
         env.update(DETECT_PORT=str(port), DETECT_GRPC_PORT="off", DETECT_MODEL=str(model),
                    DETECT_SPARE_WORKERS=str(system.spare_workers), PYTHONPATH=str(service_root))
+        if system.precision is not None:
+            env["DETECT_PRECISION"] = system.precision
         return Launch([sys.executable, "-m", "app", "serve"], service_root, env, port, {"path": "/detect"},
                       lambda jpeg: _post(f"{url}/detect", jpeg, "image/jpeg")["detections"])
     python = str(venv_python(venvs, system.peer))

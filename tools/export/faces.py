@@ -28,11 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
+from app.inference.parity import add_reference_photos
 from tools import ROOT
+from tools.export import reference_jpegs
 
 DEFAULT_OUT = ROOT / "models" / "faces" / "1"
 LABEL_MAP = "item { id: 1 name: 'face' display_name: 'face' }\n"
 MAX_DETECTIONS = 100
+# The parity gate's photos (app/inference/parity.py): two faces, and a cat in which none may appear.
+REFERENCE_PHOTOS = ("astronaut", "camera", "chelsea")
 
 # mtcnn 1.0.0's defaults (StagePNet, StageRNet, StageONet keyword arguments).
 MIN_FACE_SIZE = 20
@@ -344,6 +348,7 @@ def save(detector, out: Path) -> None:
     tf.saved_model.save(detector, str(out), signatures={"serving_default": detector.detect})
     (out / "label_map.pbtxt").write_text(LABEL_MAP)
     (out / "model_info.json").write_text(json.dumps(model_info(), indent=2) + "\n")
+    add_reference_photos(out, reference_jpegs(REFERENCE_PHOTOS))
 
 
 def model_info() -> dict:

@@ -45,8 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
+from app.inference.parity import add_reference_photos
 from tools import ROOT
-from tools.export import tfjs_graph
+from tools.export import reference_jpegs, tfjs_graph
 
 DEFAULT_OUT = ROOT / "models" / "objects" / "1"
 DEFAULT_CACHE = ROOT / "tests" / "parity" / "cache"
@@ -69,6 +70,21 @@ NMS_PRE = 1000  # get_bboxes_single: the best 1000 cells of a level
 SCORE_THRESHOLD = 0.05  # multiclass_nms(score_thr=0.05, iou_threshold=0.6, max_num=100)
 IOU_THRESHOLD = 0.6
 MAX_DETECTIONS = 100
+# Photos that ship with scikit-image, the object each shows and its box (x_min, y_min, x_max, y_max),
+# measured by hand on a 50 px grid (tests/test_objects.py, tools/precision.py): the astronaut from her hair to the frame's foot (the helmet she
+# holds apart), the cameraman from his hair to the foot and from the frame's left to his hand, the cat
+# filling the frame but for the background right of its ear, the motorcycle from the tail light to the
+# front tyre and the mirror to the tyres, the horse silhouette from its tail to its nose and ears to hooves.
+HAND_MEASURED = {
+    "astronaut": ("astronaut.png", "person", (20, 15, 365, 512)),
+    "camera": ("camera.png", "person", (0, 65, 330, 512)),
+    "chelsea": ("chelsea.png", "cat", (0, 0, 440, 300)),
+    "motorcycle_left": ("motorcycle_left.png", "motorcycle", (92, 75, 685, 452)),
+    "horse": ("horse.png", "horse", (17, 8, 390, 313)),
+}
+# The parity gate's photos (app/inference/parity.py): a person, a person with cars and a phone, a cat, a table:
+# ten detections above 0.3.
+REFERENCE_PHOTOS = ("astronaut", "camera", "chelsea", "coffee")
 # The TFJS model's outputs, per stride: class scores (sigmoid applied) [1, cells, 80] and box bins [1, cells, 44].
 HEAD_OUTPUTS = {8: ("Identity", "Identity_3"), 16: ("Identity_1", "Identity_4"), 32: ("Identity_2", "Identity_5")}
 INPUT_NODE = "input_1"
@@ -284,6 +300,7 @@ def save(detector, out: Path, licence: bytes) -> None:
                                                         "heads": detector.heads})
     (out / "label_map.pbtxt").write_text(label_map())
     (out / "model_info.json").write_text(json.dumps(model_info(), indent=2) + "\n")
+    add_reference_photos(out, reference_jpegs(REFERENCE_PHOTOS))
     for doc in sorted(DOCS.glob("*")):
         shutil.copy(doc, out / doc.name)
     (out / "LICENSE-human-models").write_bytes(licence)

@@ -18,7 +18,9 @@ until it is told to exit. Against them it checks:
    exactly the total and one a MiB over, through `python -m app fleet --dry-run --gpu-total-mib`
    (exit 0, 0, 2) and through the planner on NVML's inventory (total less what the driver reserves);
 5. release: each holder is ended, and its memory must be back in NVML's free figure within 5 s
-   (what idle unloading relies on), and all of it by the end.
+   (what idle unloading relies on), and all of it by the end;
+6. precision, where TensorFlow is installed (tools/gpu_check/precision.py): auto chooses fp16 on tensor
+   cores, fp16 passes the parity gate, and runs faster than fp32; without TensorFlow, a skip that says so.
 
 It writes gpu-check.json (every figure and check), gpu-check.txt (the table it prints) and
 gpu-report.json (the /gpu report it judged) to --out (default out/gpu-check), with the holders' logs
@@ -681,8 +683,15 @@ def summary(checks: Sequence[Check]) -> str:
 
 
 def check_gpu(argv: Sequence[str], out: Path, gpu: int, backends: Sequence[str], sizes_mib: Sequence[int],
-              nvidia_smi: str = "nvidia-smi", nvml_library=None, holder_script: Path = HOLDER) -> tuple[int, dict]:
-    """Open NVML, run every check on the GPU, write the report and the table; return the exit status and the report."""
+              nvidia_smi: str = "nvidia-smi", nvml_library=None, holder_script: Path = HOLDER,
+              tensorflow_child=None) -> tuple[int, dict]:
+    """Open NVML, run every check on the GPU, write the report and the table; return the exit status and the report.
+
+    `tensorflow_child(gpu)` gives the precision check's figures (tools/gpu_check/precision.py; default: its child
+    process, where TensorFlow is installed).
+    """
+    from tools.gpu_check.precision import precision_checks
+
     nvml = open_gpu(gpu, nvml_library)
     try:
         run = Run(nvml, gpu, backends, sizes_mib, out, nvidia_smi, nvml_library, holder_script)
@@ -692,6 +701,7 @@ def check_gpu(argv: Sequence[str], out: Path, gpu: int, backends: Sequence[str],
         raise CannotRun(f"NVML failed during the check: {exc.message}") from None
     finally:
         nvml.close()
+    run.checks.extend(precision_checks(gpu, tensorflow_child))  # after the holders: the GPU is the child's alone
     failed = any(c.outcome == FAIL for c in run.checks)
     report = {
         "tool": "scripts/gpu-check", "command": " ".join(["scripts/gpu-check", *argv]),
