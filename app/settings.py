@@ -273,8 +273,9 @@ class Settings:
     )
     preload: bool = _setting(True, _bool, "load models at boot (false: at their first request)")
     # Execution accelerators (docs/concepts/precision.md). auto, because where it picks nothing it is fp32 at no
-    # cost, and where it picks bf16 it was 1.3 to 1.55x fp32's speed for objects and shapes here, with the same
-    # answers (docs/measured.md#precision). Faces was slower in bf16, so auto also times its pick at load.
+    # cost, and where it picks bf16 it was 1.3 to 1.55x fp32's speed for objects and shapes here at batch 4 and
+    # 16, with the same answers (docs/measured.md#precision). Faces was slower in bf16, so auto also times its
+    # pick at load.
     precision: str = _setting(
         "auto", _precision,
         "how a model computes: auto (bf16 on a CPU with native bf16, fp16 on a GPU with tensor cores, else fp32), "

@@ -62,6 +62,7 @@ def running_registry(model: Path | str = "", repository: Path | str = "", timeou
     from app.models.repository import ModelRepository
     from app.settings import Settings
 
+    overrides.setdefault("precision", "fp32")  # the same on every CI machine, as start_server's servers
     settings = Settings(model=str(model), model_repository=str(repository or ROOT / "models"), **overrides)
     registry = ModelRegistry(settings, ModelRepository.open(settings.model_repository, settings.model), gpus=None,
                              metrics=ServiceMetrics())

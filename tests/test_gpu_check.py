@@ -348,6 +348,9 @@ def test_the_precision_claims_are_judged_from_the_tensorflow_childs_figures():
     assert [c.outcome for c in judge(fp32_on_tensor_cores)] == ["fail", "fail", PASS]
     slower = {**H200_PRECISION, "ms_per_image": {"fp32": 1.0, "fp16": 1.5}}
     assert [c.outcome for c in judge(slower)][-1] == "warn"
+    kept_out_by_speed = {**H200_PRECISION, "execution": {**H200_PRECISION["execution"], "precision": "fp32",
+                                                         "speedup": 0.97}}
+    assert [c.outcome for c in judge(kept_out_by_speed)][0] == "warn"
     pascal = {**H200_PRECISION, "compute_capability": [6, 0],
               "execution": {**H200_PRECISION["execution"], "precision": "fp32"}}
     assert [c.outcome for c in judge(pascal)] == [PASS]  # no tensor cores: fp32, nothing more to check

@@ -41,9 +41,10 @@ def child(model: str, mode: str, seconds: float) -> dict:
     from app.inference.accelerators import apply_precision
     from app.inference.detector import load_detector
     from app.inference.parity import GATE_THRESHOLD, SCORE_TOLERANCE, compare, decoded_reference
+    from app.settings import Settings
 
     detector = load_detector(ROOT / "models" / model)
-    photos = decoded_reference(detector.model.path)
+    photos = decoded_reference(detector.model.path, Settings().max_image_pixels)
     names, images = [n for n, _ in photos], [i for _, i in photos]
 
     def detect(floor: float) -> list:

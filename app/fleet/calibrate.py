@@ -227,7 +227,11 @@ def measure(spec: MemorySpec, model: str, gpu: int, batch: int, width: int, heig
 
 def _execution(execution: Optional[dict]) -> dict:
     """The precision settings `measure` settles the model with: fp32 unless given."""
-    return {"asked": "fp32", "gate": True, "threshold": 0.5, **(execution or {})}
+    from ..settings import Settings
+
+    defaults = Settings()
+    return {"asked": "fp32", "gate": True, "threshold": defaults.default_threshold,
+            "max_pixels": defaults.max_image_pixels, **(execution or {})}
 
 
 def _phase_process(connection, spec_text, model, gpu, batch, width, height, requests, concurrent, execution) -> None:
@@ -372,7 +376,8 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
     concurrent = args.concurrent or own.inference_threads
     side = math.isqrt(settings.max_image_pixels)
     width, height = args.image_size or (side, side)
-    execution = {"asked": own.precision, "gate": own.parity_gate, "threshold": settings.default_threshold}
+    execution = {"asked": own.precision, "gate": own.parity_gate, "threshold": settings.default_threshold,
+                 "max_pixels": settings.max_image_pixels}
     print(f"calibrating {args.model} ({version.name} version {version.version}) on GPU {args.gpu}: "
           f"{args.requests} calls of up to {batch} image(s) of {width}x{height}, {concurrent} at once, "
           f"precision {own.precision}", flush=True)
@@ -418,6 +423,9 @@ def report(result: Calibration) -> str:
     ]
     if capped is not None and capped.error is None:
         lines.append(f"under the cap: {capped.requests} call(s) fit; the process used {_mib(capped.nvml_peak_mib)}")
+    if capped is not None and capped.precision != growth.precision:
+        lines.append(f"warning: the capped run computed in {capped.precision}, not {growth.precision} "
+                     f"({capped.precision_reason}); its figures are not the growth run's, calibrate again")
     if rec.overhead_mib is not None:
         lines.append(f"per-process overhead beyond the cap: {rec.overhead_mib} MiB "
                      "(CUDA context, cuDNN/cuBLAS workspaces; the fleet's gpu_overhead_mib)")

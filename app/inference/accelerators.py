@@ -5,7 +5,8 @@ on an unchanged SavedModel:
 
 - bf16: `auto_mixed_precision_onednn_bfloat16` runs the CPU's matrix work (convolutions, matmuls) in
   bfloat16 through oneDNN, keeping fp32 where precision matters (softmax, sums). Fast only on a CPU
-  with native bf16 (`avx512_bf16`, or AMX); elsewhere oneDNN emulates it, slower than fp32.
+  with native bf16 (`avx512_bf16`, or AMX); on other AVX-512 CPUs oneDNN emulates it, slower than fp32,
+  and without AVX-512 TensorFlow does not rewrite the graph at all.
 - fp16: `auto_mixed_precision` does the same in float16 on a GPU; fast on tensor cores (compute
   capability 7.0 and up).
 
@@ -20,7 +21,8 @@ also of a function already loaded, so the parity gate (app/inference/parity.py) 
 reduced precision one after the other in the same worker.
 
 TensorFlow is reached through `tf_config` (tf.config, or the GPU stand-in in the tests): this module
-is where the precision settings meet TensorFlow, and nothing else sets them.
+is where the precision settings meet TensorFlow, and nothing else of the service sets them
+(tools/precision.py turns XLA on itself, to measure it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from typing import Optional
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # CPU flags (/proc/cpuinfo) that mean native bf16 arithmetic: AVX-512 BF16 (Cooper Lake, Zen 4 and later) or AMX.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What TensorFlow's oneDNN bf16 rewrite needs at all (its IsBF16SupportedByOneDNNOnThisCPU): without one of these
+# it leaves the graph in fp32, so bf16 asked on such a CPU is served, and reported, as fp32.
+BF16_KERNEL_FLAGS = ("avx512f", "avx_ne_convert", "amx_bf16")
 TENSOR_CORES = (7, 0)  # the first compute capability with tensor cores (Volta)
 
 
@@ -58,6 +63,11 @@ class Hardware:
     @property
     def native_bf16(self) -> bool:
         return any(flag in self.cpu_flags for flag in NATIVE_BF16_FLAGS)
+
+    @property
+    def bf16_kernels(self) -> bool:
+        """Whether oneDNN runs bf16 here at all: natively, or emulated on AVX-512 (slower than fp32)."""
+        return any(flag in self.cpu_flags for flag in BF16_KERNEL_FLAGS)
 
     def describe(self) -> str:
         if self.gpus:
@@ -127,8 +137,11 @@ def choose_precision(asked: str, hardware: Hardware) -> tuple[str, str]:
     if asked == "bf16":
         if hardware.native_bf16:
             return "bf16", "bf16 asked, on " + hardware.describe()
-        return "bf16", (f"bf16 asked, on {hardware.describe()}: oneDNN emulates bf16 there, which is slower than "
-                        "fp32")
+        if hardware.bf16_kernels:
+            return "bf16", (f"bf16 asked, on {hardware.describe()}: oneDNN emulates bf16 there, which is slower "
+                            "than fp32")
+        return "fp32", (f"bf16 asked, but on {hardware.describe()} TensorFlow's oneDNN has no bf16 kernels (they "
+                        "need AVX-512, AVX-NE-CONVERT or AMX), so it serves fp32")
     if hardware.native_bf16:
         return "bf16", "auto: bf16 through oneDNN, on " + hardware.describe()
     return "fp32", f"auto: fp32, since {hardware.describe()}: emulated bf16 would be slower"

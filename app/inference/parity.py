@@ -6,8 +6,8 @@ the server decodes a request, runs them at fp32 and then at the reduced precisio
 detections (`compare`):
 
 - the same classes above the threshold: every fp32 detection has a match of its class, and nothing
-  new appears. A detection whose score lies within the tolerance of the threshold may fall either side
-  of it: the tolerance is the gate's own precision, and a score that close to the line flips with it;
+  new appears. A detection may cross the threshold, either way, as long as its score moved by no more
+  than the tolerance (both runs keep what scores down to the tolerance below the threshold);
 - each match's box overlaps its fp32 box by IoU >= 0.9;
 - each match's score is within SCORE_TOLERANCE of its fp32 score.
 
@@ -53,6 +53,7 @@ SPEED_ROUNDS = 3
 SPEED_CALLS = 2
 REFERENCE_KEY = "reference_photos"
 REFERENCE_FOLDER = "reference"
+FP32 = "fp32"
 
 
 def add_reference_photos(version_path: Path, photos: dict[str, bytes]) -> list[str]:
@@ -126,28 +127,36 @@ def iou(a: Detection, b: Detection) -> float:
 
 def compare(names: Sequence[str], reference: Sequence[Sequence[Detection]], candidate: Sequence[Sequence[Detection]],
             threshold: float, min_iou: float = MIN_IOU, tolerance: float = SCORE_TOLERANCE) -> Comparison:
-    """Compare the detections of each photo (reference: fp32; candidate: the reduced precision); see the module."""
+    """Compare the detections of each photo (reference: fp32; candidate: the reduced precision); see the module.
+
+    Both lists hold what scored at least `threshold - tolerance`, so a detection that crosses the threshold
+    within the tolerance finds its partner on the other side. Every fp32 detection claims its partner (same
+    class, IoU, score); one above the threshold that finds none is a problem, and so is any candidate above
+    the threshold that no fp32 detection claimed.
+    """
     result = Comparison(photos=len(names))
     for name, ours, theirs in zip(names, reference, candidate):
         free = list(theirs)
         for r in sorted(ours, key=lambda d: -d.score):
-            if r.score < threshold:
-                continue
-            result.detections += 1
+            above = r.score >= threshold
+            result.detections += above
             same = [c for c in free if c.class_id == r.class_id]
             best = max(same, key=lambda c: iou(r, c), default=None)
             if best is not None and iou(r, best) >= min_iou and abs(best.score - r.score) <= tolerance:
                 free.remove(best)
-                result.matched += 1
-                result.max_score_difference = max(result.max_score_difference, abs(best.score - r.score))
-                result.min_iou = min(iou(r, best), 1.0 if result.min_iou is None else result.min_iou)
-            elif r.score >= threshold + tolerance:
+                if above or best.score >= threshold:
+                    result.matched += above
+                    result.max_score_difference = max(result.max_score_difference, abs(best.score - r.score))
+                    result.min_iou = min(iou(r, best), 1.0 if result.min_iou is None else result.min_iou)
+            elif above:
                 found = ("nothing of its class" if best is None
                          else f"at best IoU {iou(r, best):.3f}, score {best.score:.3f}")
                 result.problems.append(f"{name}: {r.label} ({r.score:.3f}) {_where(r)} became {found}")
         for c in free:
-            if c.score >= threshold + tolerance:
+            if c.score >= threshold:
                 result.problems.append(f"{name}: {c.label} ({c.score:.3f}) {_where(c)} appeared")
+    if not result.detections:
+        result.problems.append("the reference photos gave no detection above the threshold: nothing was compared")
     return result
 
 
@@ -166,7 +175,10 @@ class Execution:
     hardware: str
     parity: Optional[dict] = None  # the comparison of the reduced precision with fp32, where the gate ran it
     speedup: Optional[float] = None  # auto: fp32's time over the reduced precision's, on a reference photo
-    carried_over: bool = False  # True: this version's choice at its first load here, applied again unchecked
+    carried_over: bool = False  # True: this version's choice at an earlier load in this server, applied unchecked
+    # False where an error decided it (a photo that would not decode, fp32 out of memory on them, the timing
+    # failing): a later load of the version checks again instead of carrying it over
+    reusable: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -175,33 +187,32 @@ class Execution:
         return f"{self.precision}: {self.reason}"
 
 
-FP32 = "fp32"
-
-
 def carry_over(settled: dict, tf_config=None) -> Execution:
-    """Apply again what an earlier load of the same version settled on (a reload after idling, a restart).
-
-    The gate and the timing cost seconds at a load; the version, its photos and the hardware are the same.
-    """
+    """Apply again what an earlier load of the same version in this server settled on (after an idle unload,
+    or an unload and load by request): its version files, photos and hardware are the same, and the gate and
+    the timing cost seconds."""
     execution = Execution(**{**settled, "carried_over": True})
     apply_precision(execution.precision, tf_config)
     return execution
-MAX_PIXELS = 40_000_000  # the service's default max_image_pixels: a reference photo is a photo a request could carry
 
 
-def decoded_reference(version_path: Path) -> list[tuple[str, object]]:
+def decoded_reference(version_path: Path, max_pixels: int) -> list[tuple[str, object]]:
     """Decode a version's reference photos as a request's are decoded: (name, DecodedImage) pairs."""
     from .images import decode_image
     from .working_size import read_working_size
 
     working = read_working_size(Path(version_path))
-    return [(path.name, decode_image(path.read_bytes(), MAX_PIXELS, working))
+    return [(path.name, decode_image(path.read_bytes(), max_pixels, working))
             for path in reference_photos(Path(version_path))]
 
 
-def settle_detector(detector, asked: str, gate: bool, threshold: float, tf_config=None,
+def settle_detector(detector, asked: str, gate: bool, threshold: float, max_pixels: int, tf_config=None,
                     hardware: Optional[Hardware] = None) -> Execution:
-    """Choose, check and apply a loaded detector's precision, from its own reference photos; see settle_execution."""
+    """Choose, check and apply a loaded detector's precision, from its own reference photos; see settle_execution.
+
+    `threshold` is the service's default threshold, `max_pixels` its max_image_pixels: a reference photo is
+    decoded as a request's photo would be.
+    """
     from .accelerators import read_hardware
 
     hardware = hardware or read_hardware(tf_config)
@@ -211,7 +222,7 @@ def settle_detector(detector, asked: str, gate: bool, threshold: float, tf_confi
                                sizes=[(image.width, image.height) for image in images])
 
     def photos() -> list:
-        return decoded_reference(detector.model.path)
+        return decoded_reference(detector.model.path, max_pixels)
 
     def seconds(images: list) -> Callable[[], float]:
         size = min(SPEED_BATCH, detector.max_batch or SPEED_BATCH)
@@ -236,64 +247,65 @@ def settle_execution(detect: Callable[[list, float], list], photos: Callable[[],
     `photos()` decodes the reference photos ((name, image) pairs); `detect(images, floor)` runs images
     through the model and returns their detections scoring at least `floor`; `seconds(images)` gives a
     timed model call on them, with which `auto` keeps a reduced precision only where it is faster.
+    Whatever fails on the way leaves the model in fp32, loaded, with the reason.
     """
     precision, why = choose_precision(asked, hardware)
-    said = dict(asked=asked, hardware=hardware.describe())
-    if precision == FP32:
+    common = dict(asked=asked, hardware=hardware.describe())
+
+    def fp32(gate_said: str, reason: str, **more) -> Execution:
         apply_precision(FP32, tf_config)
-        return Execution(FP32, gate="none", reason=why, **said)
+        return Execution(FP32, gate=gate_said, reason=reason, **common, **more)
+
+    if precision == FP32:
+        return fp32("none", why)
     if not gate:
         apply_precision(precision, tf_config)
         log.warning("running %s without the parity gate (parity_gate is off): its answers are not checked against "
                     "fp32", precision)
-        return Execution(precision, gate="skipped", reason=f"{why}; parity gate off, not checked", **said)
-    reference_photos = photos()
-    if not reference_photos:
-        apply_precision(FP32, tf_config)
-        return Execution(FP32, gate="failed", **said,
-                         reason=f"{why}, but the model names no reference photos to check {precision} against fp32 "
-                                f"(model_info.json's {REFERENCE_KEY}), so it serves fp32")
-    names = [name for name, _ in reference_photos]
-    images = [image for _, image in reference_photos]
+        return Execution(precision, gate="skipped", reason=f"{why}; parity gate off, not checked", **common)
+    try:
+        decoded = photos()
+    except Exception as exc:  # a photo that will not decode, a model_info.json that will not parse
+        return fp32("failed", f"{why}, but its reference photos could not be read ({type(exc).__name__}: "
+                    f"{_reason(exc)}), so it serves fp32", reusable=False)
+    if not decoded:
+        return fp32("failed", f"{why}, but the model names no reference photos to check {precision} against fp32 "
+                              f"(model_info.json's {REFERENCE_KEY}), so it serves fp32")
+    names = [name for name, _ in decoded]
+    images = [image for _, image in decoded]
     floor = max(0.0, threshold - SCORE_TOLERANCE)  # both runs keep what may cross the threshold within tolerance
     apply_precision(FP32, tf_config)
     try:
         reference = detect(images, floor)
     except Exception as exc:  # fp32 itself fails on them (out of memory under a small cap): nothing to compare
-        return Execution(FP32, gate="failed", **said, reason=f"{why}, but the reference photos failed to run in fp32 "
-                         f"({type(exc).__name__}: {_reason(exc)}), so it serves fp32")
+        return fp32("failed", f"{why}, but the reference photos failed to run in fp32 ({type(exc).__name__}: "
+                              f"{_reason(exc)}), so it serves fp32", reusable=False)
     apply_precision(precision, tf_config)
     try:
         candidate = detect(images, floor)
-    except Exception as exc:  # the rewrite broke the graph: a precision that fails to run fails the gate
-        apply_precision(FP32, tf_config)
-        return Execution(FP32, gate="failed", **said, reason=f"{why}, but {precision} failed to run on the reference "
-                         f"photos ({type(exc).__name__}: {_reason(exc)}), so it serves fp32")
+    except Exception as exc:  # the rewrite broke the graph, or ran out of memory: it fails the gate
+        return fp32("failed", f"{why}, but {precision} failed to run on the reference photos "
+                              f"({type(exc).__name__}: {_reason(exc)}), so it serves fp32", reusable=False)
     comparison = compare(names, reference, candidate, threshold)
-    if comparison.passed:
-        passed = (f"parity gate passed on {len(names)} reference photo(s): {comparison.matched} detections, scores "
-                  f"within {comparison.max_score_difference:.4f}")
-        speedup = None
-        if asked == "auto" and seconds is not None:
-            try:
-                speedup = faster_by(seconds(images), precision, tf_config)
-            except Exception as exc:  # a batch of SPEED_BATCH did not fit, say: auto keeps what it knows is fast
-                apply_precision(FP32, tf_config)
-                return Execution(FP32, gate="passed", parity=comparison.to_json(), **said,
-                                 reason=f"{why}, whose {passed}, but timing it failed ({type(exc).__name__}: "
-                                        f"{_reason(exc)}), so it serves fp32")
-            if speedup < MIN_SPEEDUP:
-                apply_precision(FP32, tf_config)
-                return Execution(FP32, gate="passed", parity=comparison.to_json(), speedup=speedup, **said,
-                                 reason=f"{why}, whose {passed}, but it ran at {speedup:.2f}x fp32's speed "
-                                        f"(auto wants {MIN_SPEEDUP:g}x), so it serves fp32")
-            passed += f"; {speedup:.2f}x fp32's speed"
-        return Execution(precision, gate="passed", parity=comparison.to_json(), speedup=speedup, **said,
-                         reason=f"{why}; {passed}")
-    apply_precision(FP32, tf_config)
-    return Execution(FP32, gate="failed", parity=comparison.to_json(), **said,
-                     reason=f"{why}, but the parity gate failed, so it serves fp32: {precision} changed the answers: "
-                            f"{'; '.join(comparison.problems[:3])}")
+    if not comparison.passed:
+        return fp32("failed", f"{why}, but the parity gate failed, so it serves fp32: {precision} changed the "
+                              f"answers: {'; '.join(comparison.problems[:3])}", parity=comparison.to_json())
+    passed = (f"parity gate passed on {len(names)} reference photo(s): {comparison.matched} detections, scores "
+              f"within {comparison.max_score_difference:.4f}")
+    speedup = None
+    if asked == "auto" and seconds is not None:
+        try:
+            speedup = faster_by(seconds(images), precision, tf_config)
+        except Exception as exc:  # a batch of SPEED_BATCH did not fit, say: auto keeps what it knows is fast
+            return fp32("passed", f"{why}, whose {passed}, but timing it failed ({type(exc).__name__}: "
+                                  f"{_reason(exc)}), so it serves fp32", parity=comparison.to_json(), reusable=False)
+        if speedup < MIN_SPEEDUP:
+            return fp32("passed", f"{why}, whose {passed}, but it ran at {speedup:.2f}x fp32's speed (auto wants "
+                                  f"{MIN_SPEEDUP:g}x), so it serves fp32", parity=comparison.to_json(),
+                        speedup=speedup)
+        passed += f"; {speedup:.2f}x fp32's speed"
+    return Execution(precision, gate="passed", parity=comparison.to_json(), speedup=speedup, **common,
+                     reason=f"{why}; {passed}")
 
 
 def faster_by(call: Callable[[], float], precision: str, tf_config=None) -> float:

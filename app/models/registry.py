@@ -48,7 +48,7 @@ from ..settings import Settings
 from ..supervision import RestartRule
 from .history import MemoryHistory, sample_memory
 from .repository import ModelRepository, ModelVersion
-from .served import ServedModel, settled_key
+from .served import ServedModel
 from .workers import WorkerPool, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,8 @@ class ModelRegistry:
                                   "gpus": _gpus_text(model.settings.gpus),
                                   "precision": model.settings.precision, "parity_gate": model.settings.parity_gate,
                                   "threshold": self.settings.default_threshold,
-                                  "settled": model.settled.get(settled_key(version))},
+                                  "max_image_pixels": self.settings.max_image_pixels,
+                                  "settled": model.settled_for(version)},
                         lanes=model.settings.inference_threads, timeout_s=self.settings.load_timeout_s)
         except DetectError:
             if not worker.wait(10.0):  # a failed load exits; its reservation goes with it

@@ -50,7 +50,7 @@ from ..settings import ModelSettings
 from ..supervision import BOOT_ERROR, ExitHistory, describe_exit
 from ..timeline import CallTimes, Timeline
 from .host import ModelHost
-from .repository import ModelSource, ModelVersion
+from .repository import ModelSource, ModelVersion, fingerprint
 from .versions import VersionChoice
 from .workers import WorkerProcess
 
@@ -89,10 +89,11 @@ class ServedModel:
         self.signature: Optional[dict] = None
         self.signature_defs: Optional[dict] = None
         # How the version last loaded computes (app/inference/parity.py's Execution, as JSON); None before. And
-        # what each version settled on at its first load (by settled_key), handed to its next worker instead of a
-        # new check.
+        # what each version settled on at its first load (by _settle_key), handed to its next worker instead of a
+        # new check; a crash of its worker forgets it. Written under the lock; the registry reads it when it
+        # starts a worker for this model, which only this model's load does.
         self.execution: Optional[dict] = None
-        self.settled: dict[str, dict] = {}
+        self.settled: dict[tuple, dict] = {}
         self._working_size: tuple[Optional[Path], Optional[WorkingSize]] = (None, None)  # (version folder, its size)
         self._attempt: Optional[_Attempt] = None
         self._history = ExitHistory(host.restart_rule)
@@ -295,8 +296,8 @@ class ServedModel:
         self.signature = worker.loaded.get("signature")
         self.signature_defs = worker.loaded.get("signature_defs")
         self.execution = worker.loaded.get("execution")
-        if self.execution is not None:
-            self.settled[settled_key(version)] = self.execution
+        if self.execution is not None and self.execution.get("reusable", True):
+            self.settled[_settle_key(version)] = self.execution
         model_batch = worker.loaded.get("max_batch")
         self.queue.set_max_batch(min(self.settings.max_batch_size, model_batch or self.settings.max_batch_size))
         now = time.monotonic()
@@ -320,6 +321,7 @@ class ServedModel:
             log.warning("model %s: %s", self.name, exc.message)
             return
         if worker_crashed:
+            self.settled.pop(_settle_key(version), None)  # its next try checks the precision again
             verdict = self._history.record(time.monotonic())
             if not verdict.give_up:
                 self.state, self.reason = "loading", f"{exc.message}; {verdict.reason}"
@@ -340,6 +342,10 @@ class ServedModel:
         self.state, self.reason = "failed", f"version {version.version}: {exc.message}"
         log.error("model %s is failed: %s", self.name, self.reason)
 
+    def settled_for(self, version: ModelVersion) -> Optional[dict]:
+        """What `version`, as its files are now, settled on at an earlier load, for its next worker; else None."""
+        return self.settled.get(_settle_key(version))
+
     def worker_exited(self, worker: WorkerProcess, code: int) -> bool:
         """Handle the exit of the worker that served this model (under the lock); return whether it restarts."""
         if self.worker is not worker:
@@ -347,6 +353,8 @@ class ServedModel:
         self.worker = None
         if worker.expected_exit:
             return False
+        if self.version is not None:  # a crash: the restart checks the precision again instead of trusting it
+            self.settled.pop(_settle_key(self.version), None)
         self._metrics.restarted()
         verdict = self._history.record(time.monotonic(), boot_error=code == BOOT_ERROR)
         what = f"its worker {worker.pid} {describe_exit(code)}"
@@ -583,10 +591,7 @@ def _policy_text(worker: WorkerProcess) -> str:
     return f"GPU memory policy {policy.get('spec')} on GPU(s) {', '.join(str(g['index']) for g in gpus)}"
 
 
-def settled_key(version: ModelVersion) -> str:
-    """A version as its precision was settled: its number, and its SavedModel's size and time (one copied over)."""
-    try:
-        stat = (version.path / "saved_model.pb").stat()
-    except OSError:
-        return version.version
-    return f"{version.version}:{stat.st_size}:{stat.st_mtime_ns}"
+
+def _settle_key(version: ModelVersion) -> tuple:
+    """A version as its precision was settled: its number and its folder's fingerprint (files, sizes, times)."""
+    return version.version, fingerprint(version.path)

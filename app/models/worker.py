@@ -58,7 +58,8 @@ class ModelWorker:
             self.execution = carry_over(model["settled"])
         else:
             self.execution = settle_detector(self.detector, model.get("precision", "fp32"),
-                                             bool(model.get("parity_gate", True)), float(model.get("threshold", 0.5)))
+                                             bool(model.get("parity_gate", True)), float(model.get("threshold", 0.5)),
+                                             int(model.get("max_image_pixels", 40_000_000)))
         (log.info if self.execution.gate != "failed" else log.warning)(
             "model %s executes in %s", model["name"], self.execution.describe())
         self.detector.warm_up()

@@ -133,7 +133,8 @@ class WorkerProcess:
     def load(self, model: ModelVersion, settings: dict, lanes: int, timeout_s: float) -> dict:
         """Give this spare a model; wait until it is loaded and warm; return its `loaded` message.
 
-        `settings` are the model's gpu_memory and gpus, as text. Raise ModelError if the model cannot be
+        `settings` are the model's gpu_memory and gpus, as text, and what settles its precision (precision,
+        parity_gate, threshold, max_image_pixels, and the choice of an earlier load of this version, if any). Raise ModelError if the model cannot be
         loaded (the worker then exits with BOOT_ERROR), WorkerLost if the worker dies.
         """
         self.model = model

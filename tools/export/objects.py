@@ -71,10 +71,11 @@ SCORE_THRESHOLD = 0.05  # multiclass_nms(score_thr=0.05, iou_threshold=0.6, max_
 IOU_THRESHOLD = 0.6
 MAX_DETECTIONS = 100
 # Photos that ship with scikit-image, the object each shows and its box (x_min, y_min, x_max, y_max),
-# measured by hand on a 50 px grid (tests/test_objects.py, tools/precision.py): the astronaut from her hair to the frame's foot (the helmet she
-# holds apart), the cameraman from his hair to the foot and from the frame's left to his hand, the cat
-# filling the frame but for the background right of its ear, the motorcycle from the tail light to the
-# front tyre and the mirror to the tyres, the horse silhouette from its tail to its nose and ears to hooves.
+# measured by hand on a 50 px grid (for tests/test_objects.py and tools/precision.py): the astronaut from
+# her hair to the frame's foot (the helmet she holds apart), the cameraman from his hair to the foot and
+# from the frame's left to his hand, the cat filling the frame but for the background right of its ear,
+# the motorcycle from the tail light to the front tyre and the mirror to the tyres, the horse silhouette
+# from its tail to its nose and ears to hooves.
 HAND_MEASURED = {
     "astronaut": ("astronaut.png", "person", (20, 15, 365, 512)),
     "camera": ("camera.png", "person", (0, 65, 330, 512)),
@@ -83,7 +84,7 @@ HAND_MEASURED = {
     "horse": ("horse.png", "horse", (17, 8, 390, 313)),
 }
 # The parity gate's photos (app/inference/parity.py): a person, a person with cars and a phone, a cat, a table:
-# ten detections above 0.3.
+# nine detections above 0.3 as the server decodes them.
 REFERENCE_PHOTOS = ("astronaut", "camera", "chelsea", "coffee")
 # The TFJS model's outputs, per stride: class scores (sigmoid applied) [1, cells, 80] and box bins [1, cells, 44].
 HEAD_OUTPUTS = {8: ("Identity", "Identity_3"), 16: ("Identity_1", "Identity_4"), 32: ("Identity_2", "Identity_5")}
