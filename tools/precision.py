@@ -77,14 +77,14 @@ def child(model: str, mode: str, seconds: float) -> dict:
     if mode != "fp32":
         out["parity"] = compare(names, reference, detect(floor), GATE_THRESHOLD).to_json()
         if hand:
-            out["hand_measured"] = {name: {"fp32": iou_fp32, mode: box_iou(box_of(detector, name), truth)}
-                                    for name, (iou_fp32, truth) in hand.items()}
+            out["hand_measured"] = {name: {"fp32": iou_fp32, mode: hand_iou(detector, name)}
+                                    for name, iou_fp32 in hand.items()}
     return out
 
 
 def hand_measured(detector) -> dict:
-    """IoU of the fp32 box of each hand-measured photo's object with the hand-measured box: {name: (iou, truth)}."""
-    return {name: (box_iou(box_of(detector, name), truth), truth) for name, (_, _, truth) in _known().items()}
+    """IoU of the fp32 box of each hand-measured photo's object with the hand-measured box: {name: iou}."""
+    return {name: hand_iou(detector, name) for name in _known()}
 
 
 def _known() -> dict:
@@ -93,27 +93,19 @@ def _known() -> dict:
     return HAND_MEASURED
 
 
-def box_of(detector, name: str):
-    """The box of the photo's object, the one that best covers the hand-measured box, above 0.5."""
+def hand_iou(detector, name: str) -> float:
+    """IoU with the hand-measured box of the photo's object that best covers it, above 0.5 (0: none found)."""
     import numpy as np
     from PIL import Image
     import skimage
 
-    filename, label, truth = _known()[name]
+    from app.inference.detections import Box, box_iou
+
+    filename, label, measured = _known()[name]
+    truth = Box(*measured)
     pixels = np.asarray(Image.open(Path(skimage.__file__).parent / "data" / filename).convert("RGB"))
     found = [d for d in detector.detect([pixels], 0.5, 100)[0] if d.label == label]
-    best = max(found, key=lambda d: box_iou((d.box.x_min, d.box.y_min, d.box.x_max, d.box.y_max), truth),
-               default=None)
-    return None if best is None else (best.box.x_min, best.box.y_min, best.box.x_max, best.box.y_max)
-
-
-def box_iou(a, b) -> float:
-    if a is None:
-        return 0.0
-    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = width * height
-    return round(inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter), 4)
+    return round(max((box_iou(d.box, truth) for d in found), default=0.0), 4)
 
 
 def run_child(model: str, mode: str, seconds: float) -> dict:

@@ -29,6 +29,15 @@ class Box:
     y_max: float
 
 
+def box_iou(a: Box, b: Box) -> float:
+    """Intersection over union of two boxes (0 where both are empty)."""
+    width = max(0.0, min(a.x_max, b.x_max) - max(a.x_min, b.x_min))
+    height = max(0.0, min(a.y_max, b.y_max) - max(a.y_min, b.y_min))
+    inter = width * height
+    union = (a.x_max - a.x_min) * (a.y_max - a.y_min) + (b.x_max - b.x_min) * (b.y_max - b.y_min) - inter
+    return inter / union if union > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Detection:
     """One detected object."""

@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .accelerators import Hardware, apply_precision, choose_precision
-from .detections import MAX_DETECTIONS_LIMIT, Detection
+from .detections import MAX_DETECTIONS_LIMIT, Detection, box_iou
 from .working_size import MODEL_INFO
 
 log = logging.getLogger(__name__)
@@ -116,15 +116,6 @@ class Comparison:
         return out
 
 
-def iou(a: Detection, b: Detection) -> float:
-    x = max(0.0, min(a.box.x_max, b.box.x_max) - max(a.box.x_min, b.box.x_min))
-    y = max(0.0, min(a.box.y_max, b.box.y_max) - max(a.box.y_min, b.box.y_min))
-    inter = x * y
-    area = lambda d: (d.box.x_max - d.box.x_min) * (d.box.y_max - d.box.y_min)  # noqa: E731
-    union = area(a) + area(b) - inter
-    return inter / union if union > 0 else 0.0
-
-
 def compare(names: Sequence[str], reference: Sequence[Sequence[Detection]], candidate: Sequence[Sequence[Detection]],
             threshold: float, min_iou: float = MIN_IOU, tolerance: float = SCORE_TOLERANCE) -> Comparison:
     """Compare the detections of each photo (reference: fp32; candidate: the reduced precision); see the module.
@@ -141,16 +132,17 @@ def compare(names: Sequence[str], reference: Sequence[Sequence[Detection]], cand
             above = r.score >= threshold
             result.detections += above
             same = [c for c in free if c.class_id == r.class_id]
-            best = max(same, key=lambda c: iou(r, c), default=None)
-            if best is not None and iou(r, best) >= min_iou and abs(best.score - r.score) <= tolerance:
+            best = max(same, key=lambda c: box_iou(r.box, c.box), default=None)
+            overlap = 0.0 if best is None else box_iou(r.box, best.box)
+            if best is not None and overlap >= min_iou and abs(best.score - r.score) <= tolerance:
                 free.remove(best)
                 if above or best.score >= threshold:
                     result.matched += above
                     result.max_score_difference = max(result.max_score_difference, abs(best.score - r.score))
-                    result.min_iou = min(iou(r, best), 1.0 if result.min_iou is None else result.min_iou)
+                    result.min_iou = min(overlap, 1.0 if result.min_iou is None else result.min_iou)
             elif above:
                 found = ("nothing of its class" if best is None
-                         else f"at best IoU {iou(r, best):.3f}, score {best.score:.3f}")
+                         else f"at best IoU {overlap:.3f}, score {best.score:.3f}")
                 result.problems.append(f"{name}: {r.label} ({r.score:.3f}) {_where(r)} became {found}")
         for c in free:
             if c.score >= threshold:

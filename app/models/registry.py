@@ -360,7 +360,7 @@ class ModelRegistry:
             "unloaded_by_request": model.unloaded_by_request,
             "signature": worker.loaded.get("signature") if worker is not None and worker.loaded else None,
             # how the loaded version computes: the precision in force and why, the parity gate's word; None unloaded
-            "execution": worker.loaded.get("execution") if worker is not None and worker.loaded else None,
+            "execution": model.execution,
             # the label map of the version last loaded, in id order; [] before a first load
             "labels": [model.labels[k] for k in sorted(model.labels)],
         }

@@ -88,11 +88,8 @@ class ServedModel:
         # protocol metadata answers without a load: the contract's view, and the signature_def map.
         self.signature: Optional[dict] = None
         self.signature_defs: Optional[dict] = None
-        # How the version last loaded computes (app/inference/parity.py's Execution, as JSON); None before. And
-        # what each version settled on at its first load (by _settle_key), handed to its next worker instead of a
-        # new check; a crash of its worker forgets it. Written under the lock; the registry reads it when it
-        # starts a worker for this model, which only this model's load does.
-        self.execution: Optional[dict] = None
+        # Each version's precision as its first load settled it (by _settle_key), for its next worker instead of
+        # a new check; a crash forgets it. Written under the lock, read by this model's own load.
         self.settled: dict[tuple, dict] = {}
         self._working_size: tuple[Optional[Path], Optional[WorkingSize]] = (None, None)  # (version folder, its size)
         self._attempt: Optional[_Attempt] = None
@@ -295,9 +292,9 @@ class ServedModel:
         self.labels = _labels_of(version)
         self.signature = worker.loaded.get("signature")
         self.signature_defs = worker.loaded.get("signature_defs")
-        self.execution = worker.loaded.get("execution")
-        if self.execution is not None and self.execution.get("reusable", True):
-            self.settled[_settle_key(version)] = self.execution
+        execution = worker.loaded.get("execution")
+        if execution is not None and execution.get("reusable", True):
+            self.settled[_settle_key(version)] = execution
         model_batch = worker.loaded.get("max_batch")
         self.queue.set_max_batch(min(self.settings.max_batch_size, model_batch or self.settings.max_batch_size))
         now = time.monotonic()
@@ -341,6 +338,12 @@ class ServedModel:
             return
         self.state, self.reason = "failed", f"version {version.version}: {exc.message}"
         log.error("model %s is failed: %s", self.name, self.reason)
+
+    @property
+    def execution(self) -> Optional[dict]:
+        """How the serving worker computes (app/inference/parity.py's Execution as JSON); None without one."""
+        worker = self.worker
+        return (worker.loaded or {}).get("execution") if worker is not None else None
 
     def settled_for(self, version: ModelVersion) -> Optional[dict]:
         """What `version`, as its files are now, settled on at an earlier load, for its next worker; else None."""

@@ -104,8 +104,7 @@ def model_config(plane: DataPlane, model, described: dict) -> dict:
         "instance_group": [{"name": model.name, "kind": "KIND_MODEL", "count": settings.inference_threads,
                             "gpus": list(settings.gpus or ())}],
     }
-    # What the loaded worker computes at; none while unloaded, as /models/{name} says.
-    accelerator = ACCELERATORS.get((model.execution or {}).get("precision")) if model.worker is not None else None
+    accelerator = ACCELERATORS.get((model.execution or {}).get("precision"))  # none while unloaded
     if accelerator is not None:  # Triton's TensorFlow backend names fp16 so; bf16 is ours, in the CPU's list
         config["optimization"] = {"execution_accelerators": {accelerator[0]: [{"name": accelerator[1]}]}}
     if batched:

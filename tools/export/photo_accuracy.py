@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from app.inference.detections import box_iou
 from app.inference.images import decode_image
 from app.inference.working_size import WorkingSize, read_working_size
 from tools import ROOT
@@ -147,15 +148,6 @@ def lfw_mosaic(faces: np.ndarray, columns: int = 4) -> np.ndarray:
     return np.ascontiguousarray(np.stack([grey] * 3, -1))
 
 
-def iou(a, b) -> float:
-    """Intersection over union of two Box objects."""
-    width = max(0.0, min(a.x_max, b.x_max) - max(a.x_min, b.x_min))
-    height = max(0.0, min(a.y_max, b.y_max) - max(a.y_min, b.y_min))
-    inter = width * height
-    union = (a.x_max - a.x_min) * (a.y_max - a.y_min) + (b.x_max - b.x_min) * (b.y_max - b.y_min) - inter
-    return inter / union if union > 0 else 0.0
-
-
 def marginal(face) -> bool:
     """A detection the cascade itself keeps or drops on a nudge: scored under 0.9 and under 100 px across."""
     return face.score < 0.9 and max(face.box.x_max - face.box.x_min, face.box.y_max - face.box.y_min) < 100
@@ -163,7 +155,7 @@ def marginal(face) -> bool:
 
 def match_faces(full: list, other: list) -> dict:
     """Pair another decoding's faces with the full-size ones, best overlap first, one to one (IoU >= 0.5)."""
-    pairs = sorted(((iou(f.box, o.box), i, j) for i, f in enumerate(full) for j, o in enumerate(other)),
+    pairs = sorted(((box_iou(f.box, o.box), i, j) for i, f in enumerate(full) for j, o in enumerate(other)),
                    reverse=True)
     paired_full, paired_other, ious = set(), set(), []
     for overlap, i, j in pairs:
