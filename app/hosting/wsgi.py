@@ -30,6 +30,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
 
+from ..cancellation import CANCELLATION_KEY, Cancellation
 from ..timeline import RECEIVED_KEY
 
 WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
@@ -90,12 +91,16 @@ class WholeAnswer:
         self.finished = False
         self.status: str = ""
         self.headers: list = []
-        request.notifyFinish().addBoth(self._finish_noted)
         self.environ = wsgi_environ(request)
+        # Set when the client goes away before its answer, so that what it queued is dropped (app/cancellation.py).
+        self.environ[CANCELLATION_KEY] = Cancellation()
+        request.notifyFinish().addBoth(self._finish_noted)
         request.defaultContentType = None  # the app decides every header
 
     def _finish_noted(self, result) -> None:
         self.finished = True
+        if isinstance(result, Failure):  # the connection was lost before the answer was written: the client went
+            self.environ[CANCELLATION_KEY].cancel()
 
     def start_response(self, status, headers, exc_info=None):
         """The WSGI start_response: keep the status and headers until the answer goes out (PEP 3333).
