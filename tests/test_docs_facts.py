@@ -106,3 +106,38 @@ def test_a_quoted_per_worker_overhead_is_the_default():
     for path in (ROOT / "compose.yaml", ROOT / "config" / "default.toml"):
         for match in re.finditer(r"~?(\d+) MiB per process", path.read_text()):
             assert int(match.group(1)) == default, f"{path.relative_to(ROOT)}: '{match.group(0)}'"
+
+
+def security_rows() -> dict[str, str]:
+    """SECURITY.md's table of groups: each group's row, by the group's name."""
+    text = (ROOT / "SECURITY.md").read_text()
+    return {match.group(1): match.group(0) for match in re.finditer(r"^\| `([a-z-]+)` \|.*$", text, re.MULTILINE)}
+
+
+def test_security_md_lists_every_group_and_every_grpc_method_in_the_group_the_code_gives_it():
+    """The table of who may reach what is the code's: every restricted-API group has a row, and every gRPC method
+    the code puts in a group is named in that group's row (METHOD_GROUPS), so the page cannot say a method is
+    metadata when the code restricts it, as it once said of the shared-memory and config methods."""
+    from app.access import GROUPS
+    from app.grpc.calls import METHOD_GROUPS
+
+    rows = security_rows()
+    assert set(GROUPS) <= set(rows), f"groups without a row in SECURITY.md: {set(GROUPS) - set(rows)}"
+    for method, group in METHOD_GROUPS.items():
+        name = method.rsplit("/", 1)[1]
+        assert f"`{name}`" in rows[group], f"SECURITY.md does not name {name} in the {group} row"
+        others = [g for g, row in rows.items() if g != group and re.search(rf"`{name}`", row)]
+        assert not others, f"SECURITY.md also names {name} under {others}"
+
+
+def test_security_md_puts_each_http_probe_and_control_route_in_the_group_the_code_gives_it():
+    from app.http.access import route_group
+
+    rows = security_rows()
+    for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/v2/models/stats",
+                 "/v2/repository/index", "/v2/systemsharedmemory/status", "/v2/logging", "/openapi.json", "/gpu"):
+        # Written whole, or as a folder of routes (`/v2/systemsharedmemory/...`).
+        written = [path] + [path[:i + 1] + "..." for i, c in enumerate(path) if c == "/" and i > 0]
+        row = rows[route_group(path)]
+        assert any(re.search(rf"[` ]{re.escape(form)}[`\[]", row) for form in written), \
+            f"SECURITY.md does not put {path} under {route_group(path)}"

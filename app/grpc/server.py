@@ -88,6 +88,7 @@ class GrpcServer:
 
     def start(self) -> None:
         self._server.start()
+        self.admission.start()
 
     def drain(self, grace_s: float) -> None:
         """Stop taking calls and wait for those in flight, at most `grace_s`, then cancel them; blocks. The Watch

@@ -181,6 +181,12 @@ class Admission:
             except Exception:  # the watchdog must outlive any one bad tick
                 log.exception("the idle-call watchdog failed a tick")
 
+    def start(self) -> None:
+        """Start the watchdog now, rather than with the first held call (the server's start: its threads then do
+        not change with the traffic)."""
+        with self._lock:
+            self._start_watchdog()
+
     def stop(self) -> None:
         """Stop the watchdog (at shutdown)."""
         self._stopped.set()

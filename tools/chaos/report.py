@@ -213,7 +213,8 @@ def report(result: dict, request_files: list[Path]) -> dict:
     for phase in ("warm-up", "chaos", "settle", "stop"):
         served = [r["ms"] for r in records if r["phase"] == phase and r["status"] == 200 and "ms" in r]
         latency[phase] = {"answers": len(served), "p50_ms": percentile(served, 0.5), "p99_ms": percentile(served, 0.99)}
-    faults = Counter(f["fault"] for f in result["faults"] if "skipped" not in f and f["fault"] != "warm-up burst")
+    faults = Counter(f["fault"] for f in result["faults"]
+                     if "skipped" not in f and f["fault"] not in ("warm-up burst", "warm-up grpc burst"))
     return {
         "passed": not any(checks.values()),
         "seed": result["seed"], "duration_s": result["duration_s"], "date": result["date"],
@@ -224,6 +225,7 @@ def report(result: dict, request_files: list[Path]) -> dict:
                         for p in ("http", "grpc")},
         "latency": latency, "faults": dict(faults), "fault_log": result["faults"],
         "in_flight_at_kills": in_flight_at_kills, "budget_peak_mib": peak, "leaks": leak_figures,
+        "dropped_images": result.get("dropped_images"),
         "checks": {name: {"passed": not found, "problems": found[:20], "count": len(found)}
                    for name, found in checks.items()},
         "exit_status": result["exit_status"],
@@ -237,7 +239,7 @@ def _rates(records: list[dict]) -> dict:
     for r in records:
         second = int(r["rel_t"])
         sent[second] += 1
-        if r["status"] != 200 and r["kind"] not in ("bad-input", "slow-client"):
+        if r["status"] != 200 and r["kind"] not in ("bad-input", "slow-client", "hang-up", "grpc-hang-up"):
             refused[second] += 1
     return {"sent": dict(sent), "not_200": dict(refused)}
 
@@ -252,6 +254,7 @@ def print_summary(rep: dict) -> None:
         print(f"  {phase:8s} {figures['answers']:6d} answers  p50 {figures['p50_ms']} ms  p99 {figures['p99_ms']} ms")
     print(f"  requests in flight at a kill: {rep['in_flight_at_kills']}; budget peak {rep['budget_peak_mib']} of "
           f"{rep['budget_mib']} MiB; leaks {json.dumps(rep['leaks'])}")
+    print(f"  images dropped from the queue because their client had gone: {rep.get('dropped_images')}")
     for name, check in rep["checks"].items():
         print(f"  {'PASS' if check['passed'] else 'FAIL'} {name}" + "".join(f"\n      {p}" for p in check["problems"][:8])
               + (f"\n      ... {check['count'] - 8} more" if check["count"] > 8 else ""))

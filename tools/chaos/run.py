@@ -255,6 +255,26 @@ class Faults:
         return statuses
 
 
+    def grpc_burst(self, calls: int = 32) -> None:
+        """At the warm-up, `calls` ModelInfer calls and as many one-request streams at once, so that gRPC's pools
+        (calls, streams: app/grpc/calls.py) grow to a working size before the leak checks' baseline."""
+        scene = next(iter(sorted((self.repository.parent / "images").glob("scene-*.jpg")))).read_bytes()
+        client = chaos_traffic.GrpcClient(self.server.grpc_port)
+        statuses: list = []
+
+        def one(kind: str) -> None:
+            statuses.append(client.send(kind, "shapes", [scene]).status)
+
+        threads = [threading.Thread(target=one, args=(kind,)) for kind in ("grpc-kserve", "grpc-stream")
+                   for _ in range(calls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        client.close()
+        self.record("warm-up grpc burst", calls=2 * calls, statuses={str(s): statuses.count(s) for s in set(statuses)})
+
+
 # The run -----------------------------------------------------------------------------------------------
 
 def prepare(out: Path, seed: int) -> tuple[Path, Path]:
@@ -315,6 +335,7 @@ def run(args) -> dict:
         clients = start_clients(server, args, images, out, stop_file)
         time.sleep(warmup_s / 2)
         faults.burst(record=False)  # the thread pools grow to their size before the baseline
+        faults.grpc_burst()  # and gRPC's: its calls and its streams each have a pool of their own
         _sleep_until(t0 + phases["warm-up"] + warmup_s)
         phases["chaos"] = round(time.monotonic() - t0, 2)
         chaos_end = t0 + phases["chaos"] + chaos_s
@@ -324,6 +345,7 @@ def run(args) -> dict:
         _sleep_until(chaos_end)
         phases["settle"] = round(time.monotonic() - t0, 2)
         _sleep_until(t0 + phases["settle"] + settle_s)
+        dropped = dropped_images(server.port)
         phases["stop"] = round(time.monotonic() - t0, 2)
         faults.record("sigterm", pid=server.pid)
         exit_status = server.stop(timeout_s=SETTINGS["shutdown_grace_s"] + 30)
@@ -342,6 +364,7 @@ def run(args) -> dict:
     time.sleep(1.0)
     left = {pid: role for pid, role in sampler.roles.items() if process_state(pid) not in (None,)}
     return {
+        "dropped_images": dropped,
         "seed": args.seed, "duration_s": args.duration, "date": time.strftime("%Y-%m-%d"),
         "command": "scripts/chaos " + " ".join(args.argv), "settings": SETTINGS,
         "budget_mib": BUDGET_MIB, "cap_mib": CAP_MIB, "overhead_mib": OVERHEAD_MIB,
@@ -349,6 +372,19 @@ def run(args) -> dict:
         "samples": sampler.samples, "t0_unix": time.time() - (time.monotonic() - t0),
         "lanes_per_worker": settings["inference_threads"], "http_threads": settings["http_threads"],
     }
+
+
+def dropped_images(port: int) -> Optional[int]:
+    """The images the server dropped from its queues because their client had gone (its /metrics), or None."""
+    try:
+        status, _, data = chaos_traffic.http_exchange(port, "GET", "/metrics", timeout_s=30)
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    text = data.decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("detect_dropped_images_total{")))
 
 
 def _sleep_until(moment: float) -> None:

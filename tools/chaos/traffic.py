@@ -4,7 +4,8 @@ A client process runs `--threads` threads until its stop file appears. Each thre
 (HOMES) and draws, from a seeded generator, one kind of request at a time (KINDS: raw, multipart and base64
 /detect, KServe v2 JSON and binary, KServe v2 with its images in a registered system shared-memory region,
 TF Serving REST, KServe v2 and TF Serving gRPC, KServe v2 on a gRPC stream, 12 MP photos, bad input from the
-hardening battery, slow clients), sends it on a fresh connection and writes one JSON line:
+hardening battery, slow clients, and clients that send a whole request and hang up, over HTTP and gRPC, before
+its answer), sends it on a fresh connection and writes one JSON line:
 
     {"t": send time (Unix s), "kind", "protocol", "model", "image", "status": the HTTP status (gRPC codes as
      their HTTP statuses, 0 when the connection failed), "ms", "outcome", "expected", ...}
@@ -52,8 +53,9 @@ TURN_S = 10.0
 KINDS = {
     "detect-raw": 16, "model-raw": 10, "multipart": 6, "base64": 6, "v2-json": 8, "v2-binary": 8,
     "tfs-rest": 8, "grpc-kserve": 10, "grpc-tfs": 6, "photo-12mp": 2, "bad-input": 12, "slow-client": 4,
-    "grpc-stream": 4, "v2-shm": 4,
+    "grpc-stream": 4, "v2-shm": 4, "hang-up": 3, "grpc-hang-up": 2,
 }
+HUNG_UP = 499  # a hang-up's record: the client closed its request, as nginx logs it; it reads no answer
 FAMILY = {"detect-raw": "json", "model-raw": "json", "multipart": "json", "base64": "json", "v2-json": "json",
           "v2-binary": "json", "grpc-kserve": "json", "photo-12mp": "json", "tfs-rest": "tensors",
           "grpc-tfs": "tensors", "grpc-stream": "json", "v2-shm": "json"}
@@ -298,8 +300,26 @@ class GrpcClient:
             retry = dict(exc.trailing_metadata() or ()).get("retry-after") if hasattr(exc, "trailing_metadata") else None
             return Answer(GRPC_AS_HTTP.get(code, 500), None, grpc=code, retry_after=retry)
 
+    def hang_up(self, model: str, image: bytes, after_s: float) -> None:
+        """Send one ModelInfer and cancel it `after_s` later, as a client that gave up does."""
+        pb = self.kserve
+        request = pb.ModelInferRequest(
+            model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(name="image", datatype="BYTES", shape=[1])],
+            raw_input_contents=[len(image).to_bytes(4, "little") + image])
+        call = self.infer.future(request, timeout=TIMEOUT_S)
+        time.sleep(after_s)
+        call.cancel()
+
     def close(self) -> None:
         self.channel.close()
+
+
+def hang_up(port: int, model: str, image: bytes, after_s: float) -> None:
+    """Send a whole POST /models/{model}/detect and close the connection `after_s` later, unread: the client went."""
+    with socket.create_connection((HOST, port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(f"POST /models/{model}/detect HTTP/1.1\r\nHost: chaos\r\nContent-Type: image/jpeg\r\n"
+                     f"Content-Length: {len(image)}\r\n\r\n".encode() + image)
+        time.sleep(after_s)
 
 
 def _stream_status(message: str) -> int:
@@ -435,6 +455,21 @@ class Client:
             return {"t": time.time(), **slow_client(args.port, rng, args.header_timeout_s, args.body_timeout_s)}
         started, wall = time.monotonic(), time.time()
         record = {"t": wall, "kind": kind, "protocol": "grpc" if kind.startswith("grpc") else "http"}
+        if kind in ("hang-up", "grpc-hang-up"):
+            image = rng.choice(list(self.images.scenes.values()))
+            record.update(model=self.home, expected=[HUNG_UP])
+            try:
+                if kind == "hang-up":
+                    hang_up(args.port, self.home, image, rng.uniform(0.0, 0.3))
+                else:
+                    if self.grpc is None:
+                        self.grpc = GrpcClient(args.grpc_port)
+                    self.grpc.hang_up(self.home, image, rng.uniform(0.0, 0.3))
+                record.update(status=HUNG_UP, outcome="ok")
+            except OSError as exc:
+                record.update(status=0, outcome=failure(exc))
+            record["ms"] = round((time.monotonic() - started) * 1000, 1)
+            return record
         if kind == "bad-input":
             case, path, body, headers, allowed = rng.choice(self.bad)
             # A server that is full or stopping refuses before it reads the body: 503 with Retry-After.
