@@ -168,3 +168,17 @@ def test_loadgen_posts_each_request_format_to_its_route(tmp_path, flag, path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["statuses"] == {"200": 1}
     assert seen == [(path, "image/jpeg" if flag == "--path" else "application/json")]
+
+
+def test_surfaces_makes_each_attack_and_reports_what_the_probes_answered(tmp_path):
+    """tools/surfaces.py runs every attack against a real server and writes what each got; the figures of
+    docs/measured.md#surfaces come from it. The behaviour itself is asserted in tests/protocol/."""
+    out = tmp_path / "surfaces"
+    done = run_tool("surfaces", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "surfaces.json").read_text())
+    for attack in ("idle watches", "idle reflection"):
+        assert {name: answer["code"] for name, answer in result[attack]["meanwhile"].items()} == dict.fromkeys(
+            ("liveness", "ServerLive", "ModelInfer"), "OK"), result[attack]
+    assert result["a 256 MiB region, 12 requests"]["statuses"] == [413] * 12
+    assert result["timeout 10**310"]["status"] == 400
