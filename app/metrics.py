@@ -54,9 +54,10 @@ class ServiceMetrics:
         self.dropped_images = Counter(
             "detect_dropped_images", "Images taken out of the queue before their model call because their client "
             "went away (an HTTP connection closed, a gRPC call cancelled).", ("model",), registry=r)
-        # Calls a client can hold open (app/protocol/admission.py): open now, and ended for idleness.
-        self.open_calls = Gauge("detect_open_calls", "Calls held open now, by door (http, grpc) and kind (stream, "
-                                "watch, reflection).", ("door", "kind"), registry=r)
+        # What each door has admitted (app/protocol/admission.py): open now, and held calls ended for idleness.
+        self.open_calls = Gauge("detect_open_calls", "Calls admitted and not yet ended, by door (http, grpc) and kind "
+                                "(inference; and the calls a client holds open: stream, watch, reflection).",
+                                ("door", "kind"), registry=r)
         self.idle_calls_ended = Counter("detect_idle_calls_ended", "Held calls ended after idle_timeout_s without a "
                                         "message either way, by door and kind.", ("door", "kind"), registry=r)
         # gRPC calls, by their full method name (/inference.GRPCInferenceService/ModelInfer) and status code name.

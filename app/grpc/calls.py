@@ -12,9 +12,11 @@ Threads, so that no caller can take what a probe needs (app/protocol/admission.p
 each call its pool (gRPC's `experimental_thread_pool` on the handler, chosen before the call is queued):
 probes (health Check and List, ServerLive, ServerReady, ModelReady) and Watch's set-up run on a pool of
 their own; each kind of call held open (an inference stream, a reflection stream) on one sized to its cap,
-with room to refuse the one past it at once; every other call on the main pool. A call held open is
-admitted against its kind's cap and ended when idle (`HeldRequests`, and `_watching` for Watch, which holds
-no thread at all while it waits).
+with room to refuse the one past it at once; every other call on the main pool, which takes at most its size
+(`http_threads` + CONTROL_THREADS) at once and refuses the next at once on a pool of refusals, as gRPC's own
+limit did before it counted the probes too. A call held open is admitted against its kind's cap, counted out
+when it really ends (gRPC's termination callback), ended when idle (`HeldRequests`), and cut when its client
+stops reading what it is sent (`Ticket.sending`); a Watch holds no thread at all while it waits.
 
 The interceptor runs in gRPC's serving thread; everything else here in the pools' threads. Thread-safe.
 """
@@ -36,7 +38,7 @@ from ..access import (
     HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY, SHARED_MEMORY, STATISTICS, TRACE,
     group_refusal,
 )
-from ..errors import CallIdle, RequestError, Unimplemented, grpc_status
+from ..errors import CallIdle, Overloaded, RequestError, Unimplemented, grpc_status
 from ..protocol import context as request_context
 from ..protocol.admission import REFLECTION, STREAM, WATCH, Admission, Ticket
 from ..protocol.context import Client
@@ -103,12 +105,40 @@ def status_of(error: BaseException, where: str) -> tuple[str, str]:
     return "INTERNAL", "an internal error occurred; it has been logged"
 
 
+class CountedPool(ThreadPoolExecutor):
+    """A thread pool that knows how many calls it has been given and not finished (queued ones included)."""
+
+    def __init__(self, size: int, name: str):
+        super().__init__(size, thread_name_prefix=name)
+        self.size = size
+        self._given = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def given(self) -> int:
+        with self._count_lock:
+            return self._given
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._count_lock:
+            self._given += 1
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future) -> None:
+        with self._count_lock:
+            self._given -= 1
+
+
 class Pools:
-    """The gRPC server's thread pools: the main one, the probes', and one per kind of call held on a thread."""
+    """The gRPC server's thread pools: the main one, the probes', the refusals', and one per kind of call held on
+    a thread."""
 
     def __init__(self, settings, caps: dict[str, int]):
-        self.main = ThreadPoolExecutor(settings.http_threads + CONTROL_THREADS, thread_name_prefix="grpc")
+        self.main = CountedPool(settings.http_threads + CONTROL_THREADS, "grpc")
         self.probes = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="grpc-probe")
+        self.refusals = ThreadPoolExecutor(REFUSAL_THREADS, thread_name_prefix="grpc-refusal")
         self._held = {kind: ThreadPoolExecutor(caps[kind] + REFUSAL_THREADS, thread_name_prefix=f"grpc-{kind}")
                       for kind in (STREAM, REFLECTION)}
 
@@ -118,8 +148,13 @@ class Pools:
             return self.probes
         return self._held.get(HELD_METHODS.get(method, ""))
 
+    def main_is_full(self) -> bool:
+        """Whether the main pool has a call for each of its threads already (asked in gRPC's serving thread, which
+        then gives the main pool the call: nothing comes between the two)."""
+        return self.main.given >= self.main.size
+
     def shutdown(self) -> None:
-        for pool in (self.probes, *self._held.values()):
+        for pool in (self.probes, self.refusals, *self._held.values()):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -157,9 +192,27 @@ class CallInterceptor(grpc.ServerInterceptor):
         else:
             return handler
         pool = self._pools.for_method(method)
+        if pool is None and self._pools.main_is_full():
+            wrapped = self._refusing(wrapped, method)
+            pool = self._pools.refusals
         if pool is not None:
             wrapped.experimental_thread_pool = pool
         return handler._replace(**{field: wrapped})
+
+    def _refusing(self, behaviour, method: str):
+        """Answer a call the main pool has no thread for with RESOURCE_EXHAUSTED at once, as its streaming or
+        unary self would answer an error."""
+        size = self._pools.main.size
+        refusal = Overloaded(f"the server is handling {size} gRPC calls, its limit (http_threads + "
+                             f"{CONTROL_THREADS}); retry shortly")
+
+        def refuse(request, context, *rest):
+            self._metrics.observe_call(method, grpc_status(refusal), 0.0)
+            context.abort(grpc.StatusCode[grpc_status(refusal)], refusal.message)
+
+        if getattr(behaviour, "experimental_non_blocking", False):
+            refuse.experimental_non_blocking = True
+        return refuse
 
     def _client(self, headers: dict, context) -> Client:
         return Client(peer_host(context.peer()), headers)
@@ -175,8 +228,7 @@ class CallInterceptor(grpc.ServerInterceptor):
             code, message = "OK", ""
             client = self._client(headers, context)
             token = request_context.begin(Timeline(), client)
-            # Termination by the client (a cancel, a dropped connection) drops what the call has queued.
-            context.add_callback(request_context.current().cancellation.cancel)
+            follow_termination(context, request_context.current().cancellation.cancel)
             try:
                 self._check_access(group, client)
                 answer = behaviour(request, context)
@@ -204,17 +256,24 @@ class CallInterceptor(grpc.ServerInterceptor):
             # The stream's own context, which each of its requests shares (app/grpc/streams.py): its client, and
             # its cancellation, which the stream's end sets.
             token = request_context.begin(Timeline(), client)
-            context.add_callback(request_context.current().cancellation.cancel)
+            follow_termination(context, request_context.current().cancellation.cancel)
             try:
                 self._check_access(group, client)
                 if kind is not None:
                     ticket = self._admission.enter(kind)
+                    ticket.on_cut = context.cancel
+                    if not follow_termination(context, ticket.leave):
+                        return
                 if ticket is not None and streamed_requests:
                     request = held = HeldRequests(request, ticket, context)
                 for answer in behaviour(request, context):
                     if held is not None:
                         held.answered()
+                    if ticket is not None:
+                        ticket.sending(True)  # gRPC resumes this generator once the answer is taken
                     yield answer
+                    if ticket is not None:
+                        ticket.sending(False)
                 return
             except grpc.RpcError:  # the client cancelled, or went away, while its stream was read: no one to answer
                 return
@@ -249,33 +308,44 @@ class CallInterceptor(grpc.ServerInterceptor):
                 return
 
             def send(response):
-                ticket.moved()
-                send_response_callback(response)
+                ticket.sending(True)
+                try:
+                    send_response_callback(response)
+                finally:
+                    ticket.sending(False)
 
-            ticket.on_idle = lambda: end_idle(context, ticket, send)
-            context.add_callback(ticket.leave)
-            behaviour(request, context, send)
+            ticket.on_cut = context.cancel  # a Watch is never idle (admission.IDLE_EXEMPT); a client not reading is cut
+            if follow_termination(context, ticket.leave):
+                behaviour(request, context, send)
 
         guarded.experimental_non_blocking = True
         return guarded
 
 
-def end_idle(context, ticket: Ticket, send) -> None:
-    """End a held call idle for idle_timeout_s with UNAVAILABLE saying so (its client opens a new one)."""
+def follow_termination(context, callback) -> bool:
+    """Run `callback` when the call ends, however it ends; if it has ended already, run it now and return False."""
+    if context.add_callback(callback):
+        return True
+    callback()
+    return False
+
+
+def idle_status(context, ticket: Ticket) -> None:
+    """Set the status of a held call ended for idleness: UNAVAILABLE saying so (its client opens a new one)."""
     idle = CallIdle(f"the {ticket.kind} call moved no message for {ticket.admission.idle_timeout_s:g} s "
                     "(idle_timeout_s) and was ended; open a new one")
     context.set_code(grpc.StatusCode[grpc_status(idle)])
     context.set_details(idle.message)
-    send(None)
 
 
 class HeldRequests:
     """The requests of a stream held open, read in a thread of their own, so that the call can end once idle.
 
     The call's thread iterates this instead of gRPC's request iterator. A request read counts the call busy
-    until its answer goes out (`answered`), and a busy call is never idle. When the admission's watchdog finds
-    it idle (on_idle), the call's status is set to UNAVAILABLE and iteration stops, as if the client had
-    finished: the handler ends, and gRPC ends the call. The reader thread ends with the call.
+    until its answer is handed over (`answered`), and a busy call is never idle. When the admission's watchdog
+    finds it idle (on_idle), the call's status is set to UNAVAILABLE and iteration stops, as if the client had
+    finished: the handler ends, and gRPC ends the call. Whoever iterates this stops, too, once the call is over
+    or `close`d, whether or not its last word came. The reader thread ends with the call.
     """
 
     _END = object()
@@ -295,8 +365,17 @@ class HeldRequests:
         return self
 
     def __next__(self):
-        item = self._queue.get()
-        if item is self._END or item is self._IDLE:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self._closed.is_set() or not self._context.is_active():
+                    raise StopIteration from None
+        if item is self._IDLE:  # the status is set here, in the call's thread, before the handler ends
+            idle_status(self._context, self._ticket)
+            raise StopIteration
+        if item is self._END:
             raise StopIteration
         if isinstance(item, Exception):
             raise item
@@ -334,12 +413,17 @@ class HeldRequests:
                 continue
         return False
 
-    def _idle(self) -> None:
-        end_idle(self._context, self._ticket, lambda _: None)
-        try:
-            self._queue.put_nowait(self._IDLE)  # idle means nothing was waiting: the queue is empty
-        except queue.Full:
-            pass
+    def _idle(self) -> bool:
+        """End the call for idleness, unless a request came meanwhile (decided under the lock a request's
+        arrival takes): return whether it was ended."""
+        with self._busy_lock:
+            if self._ticket.busy > 0:
+                return False
+            try:
+                self._queue.put_nowait(self._IDLE)  # not busy, so no request waits; the client's end may
+            except queue.Full:
+                return False
+        return True
 
 
 def answer_unimplemented(servicer, base: type, service: str):

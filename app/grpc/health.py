@@ -10,14 +10,18 @@ failed or was unloaded by request. Any other name is NOT_FOUND, as the health pr
 
 Check runs on the probes' own threads (app/grpc/calls.py). Watch holds no thread while it waits: it is gRPC's
 non-blocking form (the handler returns at once and answers through a callback), and one ticker thread
-(`Watches`) looks at every open Watch each WATCH_POLL_S and sends a status when it has changed. The calls
-themselves are admitted, capped (max_watches) and ended when idle by the interceptor, like every call held open.
+(`Watches`) looks at every open Watch each WATCH_POLL_S and has a status sent when it has changed. The sends
+run on a few threads of their own (WATCH_SENDERS), at most one per Watch at a time: gRPC's send waits until
+the client has room, so a client that reads nothing must not hold the ticker, nor the probes' threads; the
+interceptor cuts such a call once its send has waited SEND_DEADLINE_S (app/protocol/admission.py). The calls
+are admitted and capped (max_watches) like every call held open.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -33,6 +37,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 WATCH_POLL_S = 1.0
+WATCH_SENDERS = 8
 LIVENESS = "liveness"  # SERVING while the reactor beats, as /healthz would answer
 
 
@@ -77,24 +82,24 @@ class _Watch:
     service: str
     context: object = field(repr=False)
     send: Callable[[object], None] = field(repr=False)
-    last: Optional[int] = None
+    last: Optional[int] = None  # the status sent last (or being sent)
+    sending: bool = False
 
 
 class Watches:
-    """Every open Watch, and the one thread that sends each its status when it changes. Thread-safe."""
+    """Every open Watch, the one thread that looks at their statuses, and the few that send them. Thread-safe."""
 
     def __init__(self, status: Callable[[str], Optional[int]]):
         self._status = status
         self._lock = threading.Lock()
         self._open: set[_Watch] = set()
         self._ticker: Optional[threading.Thread] = None
+        self._senders = ThreadPoolExecutor(WATCH_SENDERS, thread_name_prefix="grpc-watch-send")
         self._stopped = threading.Event()
 
     def add(self, service: str, context, send: Callable[[object], None]) -> None:
-        """Open a Watch: send its status now; it is looked at on every tick until its call ends."""
+        """Open a Watch: its status is sent at once (by a sender), and again on every change until its call ends."""
         watch = _Watch(service, context, send)
-        context.add_callback(lambda: self._forget(watch))
-        self._send_if_changed(watch)
         with self._lock:
             if self._stopped.is_set():
                 return
@@ -102,6 +107,10 @@ class Watches:
             if self._ticker is None:
                 self._ticker = threading.Thread(target=self._tick, name="grpc-health-watch", daemon=True)
                 self._ticker.start()
+        if not context.add_callback(lambda: self._forget(watch)):
+            self._forget(watch)  # it ended before it was opened
+            return
+        self._look(watch)
 
     def count(self) -> int:
         with self._lock:
@@ -113,12 +122,14 @@ class Watches:
         with self._lock:
             watches, self._open = list(self._open), set()
         for watch in watches:
-            try:
-                watch.context.set_code(grpc.StatusCode.UNAVAILABLE)
-                watch.context.set_details("the server is shutting down; watch another instance")
-                watch.send(None)
-            except Exception:  # its call is ending anyway
-                log.debug("a Watch had ended already")
+            watch.context.set_code(grpc.StatusCode.UNAVAILABLE)
+            watch.context.set_details("the server is shutting down; watch another instance")
+            # The end is trailers, which flow control does not hold back, but a send may hold the call: cut it.
+            if watch.sending:
+                watch.context.cancel()
+            else:
+                self._senders.submit(self._deliver, watch, None)
+        self._senders.shutdown(wait=False)
 
     def _forget(self, watch: _Watch) -> None:
         with self._lock:
@@ -130,13 +141,28 @@ class Watches:
                 watches = list(self._open)
             for watch in watches:
                 try:
-                    self._send_if_changed(watch)
+                    self._look(watch)
                 except Exception:  # one call's trouble must not stop the others' ticks
-                    log.exception("a health Watch could not be sent its status")
+                    log.exception("a health Watch could not be looked at")
 
-    def _send_if_changed(self, watch: _Watch) -> None:
+    def _look(self, watch: _Watch) -> None:
+        """Have the Watch's status sent if it changed and no send of it is under way (the ticker's thread)."""
         status = self._status(watch.service)
         status = SERVICE_UNKNOWN if status is None else status
-        if status != watch.last:
-            watch.last = status
-            watch.send(health_pb2.HealthCheckResponse(status=status))
+        with self._lock:
+            if watch.sending or status == watch.last or watch not in self._open:
+                return
+            watch.sending, watch.last = True, status
+        try:
+            self._senders.submit(self._deliver, watch, health_pb2.HealthCheckResponse(status=status))
+        except RuntimeError:  # the senders have shut down: the server is stopping
+            pass
+
+    def _deliver(self, watch: _Watch, response) -> None:
+        try:
+            watch.send(response)
+        except Exception:  # the call ended under the send
+            log.debug("a Watch ended while its status was sent")
+        finally:
+            with self._lock:
+                watch.sending = False

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..protocol.admission import HELD, Admission
+from ..protocol.admission import HELD, INFERENCE, Admission
 from ..protocol.plane import DataPlane
 from .calls import CallInterceptor, Pools, answer_unimplemented
 from .health import HealthServicer
@@ -36,6 +36,7 @@ from .tfserving import ModelServicer, PredictionServicer
 
 log = logging.getLogger(__name__)
 
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 60, 20
 SERVICE_NAMES = tuple(d.full_name for d in (
     grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
     prediction_service_pb2.DESCRIPTOR.services_by_name["PredictionService"],
@@ -54,11 +55,16 @@ class GrpcServer:
         self._streams = Streams(settings.http_threads)
         self._pools = Pools(settings, self.admission.caps)
         metrics.watch_grpc_in_flight(lambda: self.admission.open_calls("inference"))
-        metrics.watch_open_calls(self.admission, HELD)
+        metrics.watch_open_calls(self.admission, [INFERENCE, *HELD])
         self._server = grpc.server(
             self._pools.main, interceptors=[CallInterceptor(plane, self.admission, self._pools)],
             options=[
                 ("grpc.max_receive_message_length", settings.max_body_bytes),
+                # A peer that has gone without closing (a dead host, a cut network) holds its calls, a Watch
+                # especially, until the connection is found dead: ping each connection once a minute, and
+                # close it when a ping is not answered within 20 s. Every client answers pings (HTTP/2).
+                ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
                 # Off: with SO_REUSEPORT (grpc's default on Linux) a second server would share a busy port silently.
                 ("grpc.so_reuseport", 0),
             ])

@@ -12,6 +12,7 @@ import io
 import logging
 import time
 from typing import Callable, Optional
+from urllib.parse import unquote_to_bytes
 
 from twisted.internet import defer, task
 from twisted.web import http, resource, server
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 # The probes, answered on WSGI threads of their own that nothing else uses (app/protocol/admission.py), and the
 # other control routes (metrics, /gpu), on theirs: neither waits behind inference, nor the probes behind a scrape.
-PROBE_PATHS = (b"/healthz", b"/readyz", b"/v2/health/live", b"/v2/health/ready")
-CONTROL_PATHS = (b"/metrics", b"/gpu")
+PROBE_ROUTES = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
+CONTROL_ROUTES = ("/metrics", "/gpu")
 IN_MEMORY_BODY_BYTES = 4 * 2**20  # bodies up to this size are held in memory, not spooled to disk
 DISCARD_ALLOWANCE = 64 * 2**20  # bytes past the limit read and dropped after a 413, before aborting
 
@@ -53,10 +54,10 @@ class ProbeFirstRoot(resource.Resource):
     def getChildWithDefault(self, path, request):
         # Give the segment back, so the WSGI app sees the whole path, as it would at the root.
         request.postpath.insert(0, request.prepath.pop())
-        whole = request.path.split(b"?", 1)[0]
-        if whole in PROBE_PATHS:
+        path = app_path(request)
+        if path in PROBE_ROUTES:
             return self._probes
-        return self._control if whole in CONTROL_PATHS else self._main
+        return self._control if path in CONTROL_ROUTES else self._main
 
 
 class DetectRequest(server.Request):
@@ -101,7 +102,7 @@ class DetectRequest(server.Request):
 
     def process(self):
         site = self.channel.site
-        path = self.path.split(b"?", 1)[0].decode("latin-1")
+        path = app_path(self)
         target = inference_target(path)
         if target is not None:
             admitted = site.admit_inference(target)
@@ -109,7 +110,9 @@ class DetectRequest(server.Request):
                 self.notifyFinish().addBoth(site.log_access, self)
                 self._refuse(admitted, protocol_of(path))
                 return
-            self.notifyFinish().addBoth(lambda _: admitted.leave())  # a lost connection counts it out too
+            # Counted out when its WSGI job ends (app/hosting/wsgi.py), not when its connection does: a client that
+            # hangs up does not free the thread its request still holds.
+            self.admission_ticket = admitted
         site.in_flight += 1
         # notifyFinish fires on finish or on a lost connection; Twisted's own log call runs only on
         # finish, which a client that has read its whole answer and hung up can beat.
@@ -212,6 +215,13 @@ class DetectChannel(http.HTTPChannel):
         log.info("closing the connection from %s:%s: %s did not arrive in time",
                  getattr(peer, "host", peer), getattr(peer, "port", "-"), what)
         self.transport.abortConnection()
+
+
+def app_path(request) -> str:
+    """A request's path as the app routes it: each segment unquoted, as Twisted builds postpath and the WSGI
+    gateway PATH_INFO, so that admission sees /%64etect as the /detect the app will run."""
+    raw = request.path.split(b"?", 1)[0]
+    return b"/".join(unquote_to_bytes(segment) for segment in raw.split(b"/")).decode("latin-1")
 
 
 def raw_answer(answer: ErrorAnswer) -> bytes:

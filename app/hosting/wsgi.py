@@ -135,7 +135,21 @@ class WholeAnswer:
             self.started = True
 
     def run(self) -> None:
-        """In a WSGI thread: call the app, then hand its whole answer, or its failure, to the I/O thread."""
+        """In a WSGI thread: call the app, then hand its whole answer, or its failure, to the I/O thread.
+
+        A request whose client went away while it waited for this thread is not run at all. An inference request
+        is counted out of its admission (the site's ticket) when this ends, not when its connection does: until
+        then it holds this thread."""
+        try:
+            if self.environ[CANCELLATION_KEY].cancelled:
+                return
+            self._run_app()
+        finally:
+            ticket = getattr(self.request, "admission_ticket", None)
+            if ticket is not None:
+                ticket.leave()
+
+    def _run_app(self) -> None:
         try:
             answer = self.application(self.environ, self.start_response)
             try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from typing import NamedTuple, Optional
-from urllib.parse import unquote
 
 DETECT, V2, V1 = "detect", "v2", "v1"
 DEFAULT_MODEL = ""  # the model POST /detect names: the registry's default model
@@ -42,9 +41,12 @@ def protocol_of(path: str) -> str:
 
 
 def inference_target(path: str) -> Optional[Target]:
-    """Return the route and model an inference path asks for, or None if it runs no model."""
+    """Return the route and model an inference path asks for, or None if it runs no model.
+
+    `path` is as the app routes it, its segments unquoted (WSGI's PATH_INFO; app/hosting/site.py's app_path),
+    so that an escaped path is the route it becomes, not a way past admission."""
     for route, pattern in _INFERENCE:
         found = pattern.match(path)
         if found:
-            return Target(route, unquote(found.groupdict().get("name") or DEFAULT_MODEL))
+            return Target(route, found.groupdict().get("name") or DEFAULT_MODEL)
     return None

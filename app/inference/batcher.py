@@ -16,11 +16,12 @@ already in a model call finishes there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -144,9 +145,10 @@ class InferenceQueue:
                 return
             self._pending = deque(item for item in self._pending if id(item) not in waiting)
             dropped = [item for item in items if id(item) in waiting]
+        gone = ClientGone("the client went away; its image was dropped from the queue before its model call")
         for item in dropped:
-            item.set_exception(ClientGone("the client went away; its image was dropped from the queue before its "
-                                          "model call"))
+            with contextlib.suppress(InvalidStateError):  # its request gave up at its deadline, and cancelled it
+                item.set_exception(gone)
         log.debug("dropped %d queued image(s) of a request whose client went away", len(dropped))
         if self._on_dropped is not None:
             self._on_dropped(len(dropped))

@@ -9,9 +9,15 @@ rule in one place:
   and none while its model's queue is full (Overloaded: 503 with Retry-After, RESOURCE_EXHAUSTED), so
   overload is answered at once instead of piling calls up behind the queue;
 - every call a client can hold open is of a HELD kind with a cap of its own (`caps`): a gRPC inference
-  stream, a health Watch, a reflection stream; one over its cap is refused at once (Overloaded). A held
-  call that moves no message either way for `idle_timeout_s` is ended (`Ticket.on_idle`, run by this
-  admission's watchdog thread), so an abandoned one gives its place back;
+  stream, a health Watch, a reflection stream; one over its cap is refused at once (Overloaded). This
+  admission's watchdog thread ends what a client holds without using it:
+  - a stream (inference or reflection) that moves no message either way for `idle_timeout_s`, and has no
+    request with the model, is ended (`Ticket.on_idle`: UNAVAILABLE naming the setting);
+  - a call whose client does not read: a send to it that has waited SEND_DEADLINE_S;
+  - a call that an idle end did not end within END_GRACE_S (its thread stuck in a send, say) is cut
+    (`Ticket.on_cut`: the call cancelled), and only a call's real end counts it out, so no place stays held
+    by a call that is gone. A Watch is never idle: it hears from the server only when a status changes, and
+    a healthy one may wait for hours (gRPC's keepalive finds a dead peer, app/grpc/server.py);
 - probes (liveness and readiness: /healthz, /readyz, /v2/health/*, gRPC health Check, ServerLive,
   ServerReady, ModelReady) are never admitted here: they run on threads of their own that nothing
   admitted here can take (app/hosting/serve.py, app/grpc/server.py), so they answer whatever others hold.
@@ -42,6 +48,10 @@ HELD = (STREAM, WATCH, REFLECTION)
 # Reflection serves tools (grpcurl, Postman) that open a stream per command and close it; a handful is plenty.
 REFLECTION_CAP = 8
 WATCHDOG_MAX_TICK_S = 1.0
+# A client with room to read takes a message at once; one whose send waited this long has stopped reading.
+SEND_DEADLINE_S = 10.0
+END_GRACE_S = 5.0  # after an idle end, how long a call may take to end before it is cut
+IDLE_EXEMPT = (WATCH,)
 
 _CAP_SETTINGS = {INFERENCE: "http_threads", STREAM: "max_streams", WATCH: "max_watches"}
 
@@ -59,23 +69,34 @@ def caps_from(settings) -> dict[str, int]:
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted call, until it leaves; for a held call, when it last moved a message.
+    """One admitted call, until it leaves; for a held call, when it last moved a message and how it ends.
 
-    The call's own thread writes `on_idle`, `busy` and `moved()`; the watchdog reads them. `busy` counts the
-    call's work under way (a stream's requests in the model): a call is never idle while it has some.
+    The call's own threads write `on_idle`, `on_cut`, `busy`, `sending_since` and call `moved()`; the watchdog
+    reads them. `busy` counts the call's work under way (a stream's requests in the model): a call is never idle
+    while it has some. `on_idle()` ends the call gracefully and returns True, or returns False if it is busy
+    again after all; `on_cut()` cancels it outright.
     """
 
     kind: str
     admission: "Admission" = field(repr=False)
     last_moved: float = field(default_factory=time.monotonic)
     busy: int = 0
-    on_idle: Optional[Callable[[], None]] = field(default=None, repr=False)
-    idle_ended: bool = False
+    sending_since: Optional[float] = None  # a send to the client under way since then
+    on_idle: Optional[Callable[[], bool]] = field(default=None, repr=False)
+    on_cut: Optional[Callable[[], None]] = field(default=None, repr=False)
+    ended_at: Optional[float] = None  # when an idle end was made
+    cut: bool = False
     left: bool = False
 
     def moved(self) -> None:
         """A message went one way or the other: the call is not idle."""
         self.last_moved = time.monotonic()
+
+    def sending(self, under_way: bool) -> None:
+        """A send to the client begins (True) or has been taken (False)."""
+        self.sending_since = time.monotonic() if under_way else None
+        if not under_way:
+            self.moved()
 
     def leave(self) -> None:
         self.admission.leave(self)
@@ -149,23 +170,50 @@ class Admission:
     # Idle held calls ------------------------------------------------------------------------------------
 
     def end_idle(self, now: Optional[float] = None) -> int:
-        """End every held call idle for idle_timeout_s (its on_idle, once, outside the lock); return how many."""
+        """End every held call idle for idle_timeout_s (its on_idle, outside the lock), cut those whose client
+        has not read a send for SEND_DEADLINE_S or that an idle end did not end within END_GRACE_S; return how
+        many were ended or cut."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            idle = [t for t in self._held if t.on_idle is not None and not t.idle_ended and t.busy <= 0
-                    and now - t.last_moved >= self.idle_timeout_s]
+            live = [t for t in self._held if not t.left and not t.cut]
+            idle = [t for t in live if t.on_idle is not None and t.ended_at is None and t.kind not in IDLE_EXEMPT
+                    and t.busy <= 0 and t.sending_since is None and now - t.last_moved >= self.idle_timeout_s]
             for ticket in idle:
-                ticket.idle_ended = True
+                ticket.ended_at = now
+            stuck = [t for t in live if t.on_cut is not None and (
+                (t.sending_since is not None and now - t.sending_since >= SEND_DEADLINE_S)
+                or (t.ended_at is not None and now - t.ended_at >= END_GRACE_S))]
+            for ticket in stuck:
+                ticket.cut = True
+        ended = 0
         for ticket in idle:
-            log.info("%s %s call idle for %.0f s (idle_timeout_s): ended, its place given back", self.door,
-                     ticket.kind, now - ticket.last_moved)
-            try:
-                ticket.on_idle()
-            except Exception:  # a held call's own ending must not stop the watchdog
-                log.exception("ending an idle %s call failed", ticket.kind)
-            if self._on_idle_end is not None:
-                self._on_idle_end(ticket.kind)
-        return len(idle)
+            if self._end(ticket, now):
+                ended += 1
+        for ticket in stuck:
+            log.info("%s %s call cut: %s", self.door, ticket.kind,
+                     "its client has not read what it was sent" if ticket.ended_at is None
+                     else "it did not end after its idle end")
+            self._run(ticket.on_cut, ticket.kind)
+        return ended + len(stuck)
+
+    def _end(self, ticket: Ticket, now: float) -> bool:
+        if not self._run(ticket.on_idle, ticket.kind):  # busy again after all: looked at again later
+            with self._lock:
+                ticket.ended_at = None
+            return False
+        log.info("%s %s call idle for %.0f s (idle_timeout_s): ended, its place given back once it has gone",
+                 self.door, ticket.kind, now - ticket.last_moved)
+        if self._on_idle_end is not None:
+            self._on_idle_end(ticket.kind)
+        return True
+
+    @staticmethod
+    def _run(callback: Callable, kind: str):
+        try:
+            return callback()
+        except Exception:  # a held call's own ending must not stop the watchdog
+            log.exception("ending a %s call failed", kind)
+            return False
 
     def _start_watchdog(self) -> None:
         """Start the watchdog thread with the first held call (under the lock)."""

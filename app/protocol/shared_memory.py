@@ -64,7 +64,10 @@ class Region:
         """The bytes [offset, offset + byte_size) of the region; InvalidBody past its end, or if the object was
         shrunk under it."""
         self.check_span(offset, byte_size, where)
-        data = os.pread(self._descriptor, byte_size, self.offset + offset)
+        try:
+            data = os.pread(self._descriptor, byte_size, self.offset + offset)
+        except OSError as exc:
+            raise InvalidBody(f"{where}: shared-memory region {self.name!r} cannot be read: {exc.strerror}") from None
         if len(data) != byte_size:
             raise InvalidBody(f"{where}: shared-memory region {self.name!r} holds {len(data)} of the {byte_size} "
                               "bytes named: its object was made smaller after it was registered")
@@ -73,7 +76,12 @@ class Region:
     def write(self, offset: int, data: bytes, room: int, where: str) -> None:
         """Write `data` at `offset`, within the `room` bytes the request gave it there."""
         self.check_room(offset, len(data), room, where)
-        os.pwrite(self._descriptor, data, self.offset + offset)
+        try:  # a sparse object on a full /dev/shm cannot take it (ENOSPC)
+            written = os.pwrite(self._descriptor, data, self.offset + offset)
+        except OSError as exc:
+            raise InvalidBody(f"{where}: shared-memory region {self.name!r} cannot be written: {exc.strerror}") from None
+        if written != len(data):
+            raise InvalidBody(f"{where}: shared-memory region {self.name!r} took {written} of {len(data)} bytes")
 
     def check_room(self, offset: int, size: int, room: int, where: str) -> None:
         """Refuse, before any work, an output of `size` bytes that its `room` at `offset` cannot take."""

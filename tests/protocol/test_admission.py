@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 import pytest
 
 from app.errors import NotReady, Overloaded
-from app.protocol.admission import HELD, INFERENCE, REFLECTION, REFLECTION_CAP, STREAM, WATCH, Admission, caps_from
+from app.protocol.admission import (
+    END_GRACE_S, HELD, INFERENCE, REFLECTION, REFLECTION_CAP, SEND_DEADLINE_S, STREAM, WATCH, Admission, caps_from,
+)
 from app.settings import Settings
 
 
@@ -80,10 +82,10 @@ def test_an_inference_call_to_a_model_whose_queue_is_full_is_refused_and_not_cou
 def test_a_held_call_is_ended_once_idle_and_never_while_busy_or_moving():
     ended: list[str] = []
     admission = Admission("grpc", SETTINGS, on_idle_end=ended.append)
-    idle, busy, moving, plain = (admission.enter(kind) for kind in (STREAM, STREAM, WATCH, INFERENCE))
+    idle, busy, moving, plain = (admission.enter(kind) for kind in (STREAM, STREAM, REFLECTION, INFERENCE))
     calls = []
     for ticket in (idle, busy, moving):
-        ticket.on_idle = lambda ticket=ticket: calls.append(ticket)
+        ticket.on_idle = lambda ticket=ticket: calls.append(ticket) or True
     busy.busy = 1
     start = time.monotonic()
     assert admission.end_idle(start) == 0  # nothing is idle yet
@@ -95,11 +97,57 @@ def test_a_held_call_is_ended_once_idle_and_never_while_busy_or_moving():
     assert plain.on_idle is None  # an inference call is not held: never ended for idleness
 
 
+def test_a_call_that_became_busy_as_it_was_ended_is_looked_at_again_later():
+    admission = Admission("grpc", SETTINGS)
+    ticket = admission.enter(STREAM)
+    answers = iter([False, True])  # busy again at the first look, idle at the next
+    ticket.on_idle = lambda: next(answers)
+    start = time.monotonic()
+    assert admission.end_idle(start + 2) == 0 and ticket.ended_at is None
+    assert admission.end_idle(start + 3) == 1 and ticket.ended_at is not None
+
+
+def test_a_watch_is_never_idle_but_is_cut_when_its_client_stops_reading():
+    """A Watch hears from the server only when a status changes: quiet is its normal state. A send to it that
+    waits SEND_DEADLINE_S means its client reads nothing: the call is cut, whatever its kind."""
+    admission = Admission("grpc", SETTINGS)
+    watch, stream = admission.enter(WATCH), admission.enter(STREAM)
+    cut = []
+    for ticket in (watch, stream):
+        ticket.on_idle = lambda: True
+        ticket.on_cut = lambda ticket=ticket: cut.append(ticket.kind)
+    stream.sending(True)
+    assert admission.end_idle(time.monotonic() + SEND_DEADLINE_S / 2) == 0 and cut == []  # mid-send: not idle
+    stream.sending(False)
+    stream.last_moved = watch.last_moved = time.monotonic() - 3600
+    assert admission.end_idle() == 1 and cut == []  # the stream ended idle, the Watch quiet an hour left alone
+    stream.ended_at, stream.on_idle = None, None
+    stream.sending(True)
+    watch.sending(True)
+    assert admission.end_idle(time.monotonic() + SEND_DEADLINE_S) == 2 and sorted(cut) == [STREAM, WATCH]
+    assert admission.end_idle(time.monotonic() + 2 * SEND_DEADLINE_S) == 0  # cut once
+
+
+def test_a_call_that_an_idle_end_did_not_end_is_cut_after_the_grace_and_counted_out_only_when_it_ends():
+    admission = Admission("grpc", SETTINGS)
+    ticket = admission.enter(STREAM)
+    cut = []
+    ticket.on_idle = lambda: True  # ended gracefully... but its thread is stuck, and it does not end
+    ticket.on_cut = lambda: cut.append(True)
+    start = time.monotonic()
+    assert admission.end_idle(start + 2) == 1
+    assert admission.end_idle(start + 2 + END_GRACE_S / 2) == 0 and cut == []
+    assert admission.end_idle(start + 2 + END_GRACE_S) == 1 and cut == [True]
+    assert admission.open_calls(STREAM) == 1  # still held: only the call's own end counts it out
+    ticket.leave()
+    assert admission.open_calls(STREAM) == 0
+
+
 def test_the_watchdog_thread_ends_an_idle_call_by_itself():
     admission = Admission("grpc", replace(SETTINGS, idle_timeout_s=1.0))
     ended = threading.Event()
-    ticket = admission.enter(WATCH)
-    ticket.on_idle = ended.set
+    ticket = admission.enter(STREAM)
+    ticket.on_idle = lambda: ended.set() or True
     try:
         assert ended.wait(5.0), "the idle Watch was not ended within 5 s of a 1 s idle timeout"
     finally:

@@ -130,3 +130,51 @@ def test_a_stream_that_closes_drops_what_its_requests_still_have_queued(slow_ser
         assert blocker.result().outputs
     time.sleep(0.5)
     assert images_run(slow_server) - ran_before == 1
+
+
+@pytest.fixture(scope="module")
+def one_thread_server(tmp_path_factory):
+    """http_threads 1 and a model of two seconds or more a call: the second inference request is refused."""
+    base = tmp_path_factory.mktemp("one-thread")
+    build_blob_model(base / "slow" / "1", busy_products=1500)
+    server = start_server({"DETECT_MODEL": str(base / "slow"), "DETECT_HTTP_THREADS": "1",
+                           "DETECT_IDLE_UNLOAD_S": "0", "DETECT_SPARE_WORKERS": "0"}, base / "server.log")
+    yield server
+    assert server.stop() == 0
+    assert "Traceback" not in server.log()
+
+
+def test_a_request_whose_client_hung_up_holds_its_thread_until_its_work_ends(one_thread_server):
+    """Its admission is given back when its request thread is free again, not when its connection closes: the
+    next request, sent the moment the first hangs up, is refused (503), not queued behind it."""
+    wait_for(lambda: gauge(one_thread_server, 'detect_open_calls{door="http",kind="inference"}') == 0, 60,
+             "the server idle")
+    body = encode(IMAGE, "PNG")
+    first = raw_request(one_thread_server.port, body)
+    wait_for(lambda: gauge(one_thread_server, "detect_http_requests_in_flight") >= 2, 30, "the first in flight")
+    time.sleep(1.0)  # decoded and in its model call, which takes two seconds or more
+    first.close()
+    second = raw_request(one_thread_server.port, body)
+    assert read_status(second) == 503
+    second.close()
+
+
+@pytest.mark.parametrize("path", ["/%64etect", "/models/slow/%64etect", "/v2/models/slow/%69nfer"])
+def test_an_escaped_inference_path_is_admitted_as_the_route_it_becomes(one_thread_server, path):
+    """/%64etect is the /detect the app runs: it meets the same admission (before, it went round it, and four
+    at once all queued behind one thread)."""
+    wait_for(lambda: gauge(one_thread_server, 'detect_open_calls{door="http",kind="inference"}') == 0, 60,
+             "the server idle")
+    body = encode(IMAGE, "PNG")
+    socks = []
+    for _ in range(4):
+        sock = socket.create_connection(("127.0.0.1", one_thread_server.port), timeout=60)
+        headers = {"Content-Type": "image/png"} if "v2" not in path else {
+            "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": "0"}
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(sock)
+    statuses = [read_status(sock) for sock in socks]
+    for sock in socks:
+        sock.close()
+    assert statuses.count(200) >= 1 and statuses.count(503) >= 2, statuses

@@ -9,6 +9,7 @@ once, probes run on threads nothing else takes, and a held call that moves nothi
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -105,7 +106,7 @@ def default_server(blob_model_dir, tmp_path_factory):
 def open_watches(channels, count: int, service: str = "") -> list:
     """Open `count` Watch calls spread over `channels`; return them once each has answered its first status."""
     calls = [health_pb2_grpc.HealthStub(channels[i % len(channels)]).Watch(
-        health_pb2.HealthCheckRequest(service=service)) for i in range(count)]
+        health_pb2.HealthCheckRequest(service=service), timeout=120) for i in range(count)]
     return calls
 
 
@@ -129,7 +130,7 @@ def test_idle_reflection_streams_past_their_cap_are_refused_at_once_and_probes_s
     feeds = [queue.SimpleQueue() for _ in range(140)]
     try:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        calls = [stub.ServerReflectionInfo(feed_of(feed)) for feed in feeds]
+        calls = [stub.ServerReflectionInfo(feed_of(feed), timeout=120) for feed in feeds]
         for feed in feeds:
             feed.put(reflection_pb2.ServerReflectionRequest(list_services=""))
         started = time.monotonic()
@@ -173,13 +174,13 @@ def test_every_kind_of_open_call_held_at_its_cap_leaves_every_probe_answering(sl
         reflections = []  # kept: a call object the client drops is cancelled
         for _ in range(REFLECTION_CAP):
             feeds.append(feed := queue.SimpleQueue())
-            reflections.append(reflecting.ServerReflectionInfo(feed_of(feed)))
+            reflections.append(reflecting.ServerReflectionInfo(feed_of(feed), timeout=120))
             feed.put(reflection_pb2.ServerReflectionRequest(list_services=""))
             assert next(reflections[-1]).list_services_response.service
         streams = []
         for _ in range(2):
             feeds.append(feed := queue.SimpleQueue())
-            streams.append(kserve.ModelStreamInfer(feed_of(feed)))
+            streams.append(kserve.ModelStreamInfer(feed_of(feed), timeout=120))
             feed.put(infer_request("slow"))
             assert not next(streams[-1]).error_message
         body = _jpeg()
@@ -195,7 +196,7 @@ def test_every_kind_of_open_call_held_at_its_cap_leaves_every_probe_answering(sl
         extra = queue.SimpleQueue()
         feeds.append(extra)
         extra.put(reflection_pb2.ServerReflectionRequest(list_services=""))
-        assert code_of(reflecting.ServerReflectionInfo(feed_of(extra))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code_of(reflecting.ServerReflectionInfo(feed_of(extra), timeout=120)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert code_of(kserve.ModelStreamInfer(iter([infer_request("slow")]))) == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(grpc.RpcError) as refused:
             kserve.ModelInfer(infer_request("slow"), timeout=PROBE_TIMEOUT_S)
@@ -220,9 +221,10 @@ def _jpeg() -> bytes:
 
 
 def test_held_calls_that_move_nothing_are_ended_after_idle_timeout_and_give_their_place_back(blob_model_dir, tmp_path):
-    """With idle_timeout_s 2 and max_streams 1: an idle inference stream, reflection stream and Watch each end
-    with UNAVAILABLE naming idle_timeout_s, and the one stream's place is free again; a stream whose request is
-    still with the model is busy, not idle, and is not ended."""
+    """With idle_timeout_s 2 and max_streams 1: an idle inference stream and reflection stream each end with
+    UNAVAILABLE naming idle_timeout_s, and the one stream's place is free again; a stream whose request is still
+    with the model is busy, not idle, and is not ended. A quiet Watch is not ended: quiet is what a healthy Watch
+    is (its client reads on)."""
     build_blob_model(tmp_path / "slowish" / "1", busy_products=1200)
     server = start_server({"DETECT_MODEL": str(tmp_path / "slowish"), "DETECT_IDLE_TIMEOUT_S": "2",
                            "DETECT_MAX_STREAMS": "1", "DETECT_IDLE_UNLOAD_S": "0", "DETECT_SPARE_WORKERS": "0"},
@@ -231,17 +233,17 @@ def test_held_calls_that_move_nothing_are_ended_after_idle_timeout_and_give_thei
     feeds = [queue.SimpleQueue() for _ in range(3)]
     try:
         kserve = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        stream = kserve.ModelStreamInfer(feed_of(feeds[0]))
+        stream = kserve.ModelStreamInfer(feed_of(feeds[0]), timeout=120)
         feeds[0].put(infer_request("slowish"))
         assert not next(stream).error_message
-        reflecting = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(feed_of(feeds[1]))
+        reflecting = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(feed_of(feeds[1]), timeout=120)
         feeds[1].put(reflection_pb2.ServerReflectionRequest(list_services=""))
         assert next(reflecting).list_services_response.service
-        watch = open_watches([channel], 1)[0]
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         started = time.monotonic()
         ended = {}
-        for name, call in (("stream", stream), ("reflection", reflecting), ("watch", watch)):
+        for name, call in (("stream", stream), ("reflection", reflecting)):
             with pytest.raises(grpc.RpcError) as idle:
                 next(call)
             ended[name] = (idle.value.code(), time.monotonic() - started)
@@ -250,15 +252,18 @@ def test_held_calls_that_move_nothing_are_ended_after_idle_timeout_and_give_thei
         assert all(1.0 < seconds < 10.0 for _, seconds in ended.values()), ended
 
         # The place is free again; a request that keeps the model busy longer than idle_timeout_s is not idle.
-        busy = kserve.ModelStreamInfer(feed_of(feeds[2]))
+        busy = kserve.ModelStreamInfer(feed_of(feeds[2]), timeout=120)
         feeds[2].put(infer_request("slowish"))
         feeds[2].put(infer_request("slowish"))
         answers = [next(busy), next(busy)]
         assert [a.error_message for a in answers] == ["", ""]
         assert all(a.infer_response.outputs for a in answers)
         text = server.request("GET", "/metrics")[2].decode()
-        for kind in ("stream", "reflection", "watch"):
+        for kind in ("stream", "reflection"):
             assert f'detect_idle_calls_ended_total{{door="grpc",kind="{kind}"}} 1.0' in text, kind
+        assert time.monotonic() - started > 4  # twice idle_timeout_s, and the Watch is still open
+        assert gauge(server, 'detect_open_calls{door="grpc",kind="watch"}') == 1
+        watch.cancel()
     finally:
         for feed in feeds:
             feed.put(None)
@@ -292,7 +297,7 @@ def test_cancelled_streams_leave_nothing_counted(default_server):
     try:
         kserve = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         feeds = [queue.SimpleQueue() for _ in range(32)]
-        streams = [kserve.ModelStreamInfer(feed_of(feed)) for feed in feeds]
+        streams = [kserve.ModelStreamInfer(feed_of(feed), timeout=120) for feed in feeds]
         for feed in feeds:
             feed.put(infer_request("blob"))
         assert all(not next(stream).error_message for stream in streams)
@@ -301,3 +306,99 @@ def test_cancelled_streams_leave_nothing_counted(default_server):
         for feed in feeds:
             feed.put(None)
         channel.close()
+
+
+# Clients that do not read: gRPC's send waits until a client has room, and these never make any. ----------------
+
+UNREAD = [("grpc.http2.lookahead_bytes", 0), ("grpc.http2.bdp_probe", 0)]  # a window that is never opened
+
+
+def test_watches_whose_clients_read_nothing_hold_no_probe_thread_and_are_cut(blob_model_dir, tmp_path):
+    """Twelve Watch calls from clients that never read (three times the probes' threads): the probes still
+    answer, and each such Watch is cut once its send has waited SEND_DEADLINE_S, its place given back."""
+    from app.protocol.admission import SEND_DEADLINE_S
+
+    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_IDLE_UNLOAD_S": "0",
+                           "DETECT_SPARE_WORKERS": "0"}, tmp_path / "server.log")
+    channels = [grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=UNREAD) for _ in range(12)]
+    try:
+        watches = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+                   for channel in channels]
+        wait_for(lambda: gauge(server, 'detect_open_calls{door="grpc",kind="watch"}') == 12, 20, "12 Watches open")
+        assert_probes_answer(server)
+        wait_for(lambda: gauge(server, 'detect_open_calls{door="grpc",kind="watch"}') == 0, SEND_DEADLINE_S + 20,
+                 "the unread Watches cut")
+        assert {code_of(call) for call in watches} <= {grpc.StatusCode.CANCELLED}
+        assert_probes_answer(server)
+    finally:
+        for channel in channels:
+            channel.close()
+        assert server.stop() == 0
+    assert "Traceback" not in server.log()
+
+
+def test_a_stream_whose_client_reads_nothing_gives_its_place_back(blob_model_dir, tmp_path):
+    """max_streams 1: a client opens the one stream, sends requests and reads none of the answers. Its answer's
+    send waits for ever; the call is cut, and another client's stream is let in."""
+    from app.protocol.admission import SEND_DEADLINE_S
+
+    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_MAX_STREAMS": "1", "DETECT_IDLE_TIMEOUT_S": "2",
+                           "DETECT_IDLE_UNLOAD_S": "0", "DETECT_SPARE_WORKERS": "0"}, tmp_path / "server.log")
+    unread = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=UNREAD)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    feed: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        hog = service_pb2_grpc.GRPCInferenceServiceStub(unread).ModelStreamInfer(feed_of(feed), timeout=120)
+        for _ in range(8):
+            feed.put(infer_request("blob"))
+        wait_for(lambda: gauge(server, 'detect_open_calls{door="grpc",kind="stream"}') == 1, 20, "the stream open")
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert code_of(stub.ModelStreamInfer(iter([infer_request("blob")]))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def let_in():
+            try:
+                return [not a.error_message for a in stub.ModelStreamInfer(iter([infer_request("blob")]), timeout=30)]
+            except grpc.RpcError:
+                return None
+
+        assert wait_for(let_in, SEND_DEADLINE_S + 30, "another client's stream let in") == [True]
+        assert hog is not None
+    finally:
+        feed.put(None)
+        unread.close()
+        channel.close()
+        assert server.stop() == 0
+    assert "Traceback" not in server.log()
+
+
+def server_threads(server) -> int:
+    return len(os.listdir(f"/proc/{server.process.pid}/task"))
+
+
+def test_rounds_of_cancelled_streams_and_watches_leave_no_thread_and_no_place_behind(default_server):
+    """Streams answered once and then cancelled, and Watches opened and cancelled at once, round after round: the
+    server's threads stop growing once its pools have their size, and nothing stays counted open."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{default_server.grpc_port}")
+    counts = []
+    try:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(8):
+            feeds = [queue.SimpleQueue() for _ in range(8)]
+            streams = [stub.ModelStreamInfer(feed_of(feed), timeout=120) for feed in feeds]
+            for feed in feeds:
+                feed.put(infer_request("blob"))
+            assert all(not next(stream).error_message for stream in streams)
+            for stream in streams:
+                stream.cancel()
+            for _ in range(200):
+                health.Watch(health_pb2.HealthCheckRequest()).cancel()
+            for feed in feeds:
+                feed.put(None)
+            time.sleep(1.5)
+            counts.append(server_threads(default_server))
+        wait_for(lambda: sum(gauge(default_server, f'detect_open_calls{{door="grpc",kind="{kind}"}}')
+                             for kind in ("stream", "watch")) == 0, 10, "nothing counted open")
+    finally:
+        channel.close()
+    assert max(counts[4:]) <= max(counts[:4]) + 2, f"threads grew round after round: {counts}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -81,15 +83,30 @@ def test_a_number_out_of_range_is_invalid_argument_naming_it_over_grpc(server, k
     assert f"the parameter {key} must be" in refused.value.details()
 
 
+@pytest.fixture
+def region(server):
+    """A registered region of 64 bytes (the session server's, from loopback), unregistered afterwards."""
+    path = Path("/dev/shm") / f"detect-test-{uuid.uuid4().hex[:12]}"
+    path.write_bytes(bytes(64))
+    status, _, _ = server.request("POST", "/v2/systemsharedmemory/region/nums/register",
+                                  json.dumps({"key": "/" + path.name, "byte_size": 64}).encode())
+    assert status == 200
+    yield "nums"
+    server.request("POST", "/v2/systemsharedmemory/region/nums/unregister")
+    path.unlink()
+
+
 @pytest.mark.parametrize("field, value", [("shared_memory_offset", HUGE), ("shared_memory_offset", -1),
                                           ("shared_memory_offset", "12"), ("shared_memory_byte_size", 2**70),
                                           ("shared_memory_byte_size", 1.0), ("shared_memory_byte_size", "4")])
-def test_a_shared_memory_offset_or_size_out_of_range_is_a_400(server, field, value):
-    parameters = {"shared_memory_region": "nowhere", "shared_memory_byte_size": 4, field: value}
+def test_a_shared_memory_offset_or_size_out_of_range_is_a_400_naming_it(server, region, field, value):
+    parameters = {"shared_memory_region": region, "shared_memory_byte_size": 4, field: value}
     tensor = {"name": "image", "datatype": "BYTES", "shape": [1], "parameters": parameters}
     status, _, body = server.request("POST", "/v2/models/blob/infer", json.dumps({"inputs": [tensor]}).encode())
-    assert status == 400, body
-    assert field in body["error"] or "not registered" in body["error"]
+    assert status in (400, 413), body
+    words = "byte size" if field.endswith("byte_size") else "offset"
+    assert field in body["error"] or (f"{words} {value}" in body["error"] and "past the end" in body["error"]) \
+        or "max_body_bytes" in body["error"], body
 
 
 @pytest.mark.parametrize("offset, size", [(HUGE, 4), (2**63, 4), (0, HUGE), (-1, 4), (0, "4")])
