@@ -16,9 +16,9 @@ from typing import Callable, Optional
 from twisted.internet import defer, task
 from twisted.web import http, resource, server
 
-from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, Overloaded, RequestError, http_status
+from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, Overloaded, RequestError, VideoTooLarge, http_status
 from ..http.errors import ErrorAnswer, error_answer
-from ..http.paths import Target, inference_target, protocol_of
+from ..http.paths import Target, inference_target, is_video, protocol_of
 from ..settings import Settings
 from ..timeline import TIMELINE_KEY, Timeline
 from . import listening
@@ -57,10 +57,14 @@ class DetectRequest(server.Request):
     _rejected = False
     _received = 0
     _started = 0.0
+    _limit = 0
+    _video = False  # a video route: its body may be up to max_video_bytes
 
     def gotLength(self, length):
         self._started = time.monotonic()
-        limit = self.channel.site.settings.max_body_bytes
+        settings = self.channel.site.settings
+        self._video = is_video(getattr(self.channel, "_path", b"").split(b"?", 1)[0].decode("latin-1", "replace"))
+        self._limit = limit = settings.max_video_bytes if self._video else settings.max_body_bytes
         if length is not None and length > limit:
             self._reject(f"the request body is {length} bytes, over the limit of {limit} bytes")
             return
@@ -73,7 +77,7 @@ class DetectRequest(server.Request):
 
     def handleContentChunk(self, data):
         self._received += len(data)
-        limit = self.channel.site.settings.max_body_bytes
+        limit = self._limit
         if self._rejected:
             # Read and drop the rest, so a client still sending sees our 413 rather than a reset;
             # past the discard allowance, stop reading.
@@ -125,7 +129,8 @@ class DetectRequest(server.Request):
         self._rejected = True
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
         path = getattr(self.channel, "_path", b"").split(b"?", 1)[0].decode("latin-1", "replace")
-        self.channel.transport.write(raw_answer(error_answer(BodyTooLarge(message), protocol_of(path))))
+        error = VideoTooLarge(f"{message} (max_video_bytes)") if self._video else BodyTooLarge(message)
+        self.channel.transport.write(raw_answer(error_answer(error, protocol_of(path))))
         access_log.info("%s %s 413 (body over limit, refused while receiving)",
                         getattr(self.channel, "_command", b"-").decode("latin-1"),
                         getattr(self.channel, "_path", b"-").decode("latin-1", "replace")[:200])

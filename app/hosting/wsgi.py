@@ -23,6 +23,7 @@ beyond this machine's noise).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from twisted.internet import threads
@@ -30,7 +31,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
 
-from ..timeline import RECEIVED_KEY
+from ..errors import AnswerCut
+from ..timeline import GONE_KEY, RECEIVED_KEY
 
 WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
 
@@ -92,10 +94,14 @@ class WholeAnswer:
         self.headers: list = []
         request.notifyFinish().addBoth(self._finish_noted)
         self.environ = wsgi_environ(request)
+        self.gone = threading.Event()
+        self.environ[GONE_KEY] = self.gone
         request.defaultContentType = None  # the app decides every header
 
     def _finish_noted(self, result) -> None:
         self.finished = True
+        if isinstance(result, Failure):  # the connection was lost before the answer was finished
+            self.gone.set()
 
     def start_response(self, status, headers, exc_info=None):
         """The WSGI start_response: keep the status and headers until the answer goes out (PEP 3333).
@@ -143,6 +149,9 @@ class WholeAnswer:
                 close = getattr(answer, "close", None)
                 if close is not None:
                     close()
+        except AnswerCut as cut:  # a stream that cannot be finished: cut it, so the client sees it incomplete
+            self._log.info("a streamed answer was cut short: {why}", why=cut.message)
+            self.reactor.callFromThread(self._cut)
         except BaseException:
             self.reactor.callFromThread(self._failed, self.started, *sys.exc_info())
         else:
@@ -174,6 +183,11 @@ class WholeAnswer:
         if body:
             self.request.write(body)
         self.request.finish()
+
+    def _cut(self) -> None:
+        """In the I/O thread: close the connection of an answer under way, without its last chunk."""
+        if not self.finished:
+            self.request.loseConnection()
 
     def _failed(self, started, kind, value, traceback) -> None:
         """In the I/O thread: log the app's exception (it never should raise: it answers every error), answer 500."""
@@ -245,6 +259,17 @@ class InputStream:
 
     def __iter__(self):
         return iter(self._content)
+
+    # Beyond PEP 3333: the body is whole (in memory, or spooled to a temporary file by Twisted), so a route that
+    # needs to seek in it (a video's demuxer) reads it in place rather than copying it.
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._content.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._content.tell()
 
 
 class ErrorStream:

@@ -100,8 +100,12 @@ class InferenceQueue:
             "retry shortly"
         )
 
-    def submit(self, images: Sequence[np.ndarray], deadline: float) -> list[QueuedImage]:
-        """Queue one request's images; return their futures; raise Overloaded at once if they do not fit."""
+    def submit(self, images: Sequence[np.ndarray], deadline: float, run_here: bool = True) -> list[QueuedImage]:
+        """Queue one request's images; return their futures; raise Overloaded at once if they do not fit.
+
+        `run_here` False leaves every call to the batching threads: a caller that goes on submitting (a video's
+        frames) must not be held by a call in its own thread, and its frames then share calls.
+        """
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
@@ -110,7 +114,7 @@ class InferenceQueue:
                 raise refused
             self._next_request += 1
             items = [QueuedImage(image, self._next_request, deadline) for image in images]
-            now_in_this_thread = self._may_run_now(items)
+            now_in_this_thread = run_here and self._may_run_now(items)
             if now_in_this_thread:
                 self._running += 1
             else:
