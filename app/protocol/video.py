@@ -125,6 +125,8 @@ class VideoRun:
         except _ClientGone:
             return
         except Exception as exc:
+            if self._gone.is_set():  # its body closed under the demuxer, or its frames cancelled: nobody reads on
+                return
             error = _as_request_error(exc, self._model.name)
             yield {"error": {"code": error.code, "message": error.message}, "frames": self._frames}
 
@@ -147,6 +149,8 @@ class VideoRun:
         except _ClientGone:
             return
         except Exception as exc:
+            if self._gone.is_set():
+                return
             error = _as_request_error(exc, self._model.name)
             log.warning("an annotated video on model %s ends early, after %d frames: %s", self._model.name,
                         self._frames, error.message)
