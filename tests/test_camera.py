@@ -3,7 +3,7 @@
 Chromium's fake camera plays a generated .y4m (tools/sequences.py's shapes moving and crossing) in a loop; the
 page sends its frames to the shapes model of a real server, one in flight, and draws boxes and track numbers over
 the live picture. Then the committed samples/shapes.mp4 is tracked by the server and drawn as it plays. The
-screenshot the docs show (docs/how-to/camera.png) is the one taken here, in out/page/camera.png.
+screenshot the docs show (docs/tutorials/camera.png) is the one taken here, in out/page/camera.png.
 """
 
 from __future__ import annotations

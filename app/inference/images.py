@@ -117,13 +117,14 @@ def _picture_scale(picture_side: Optional[int], width: int, height: int) -> floa
 
 
 def _fit(image: Image.Image, side: int) -> Image.Image:
-    """The upright picture with its longest side at most `side` (0: as it is); never the decoder's own image."""
+    """The upright picture with its longest side at most `side` (0: as it is). It may be the image the model's
+    pixels were copied from (np.asarray copies), so drawing on it later changes nothing the model sees."""
     longest = max(image.size)
     if side and longest > side:
         scale = side / longest
         size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
         return image.resize(size, Image.BILINEAR, reducing_gap=2.0)
-    return image.copy()
+    return image
 
 
 def _refused_format(data: bytes) -> str | None:

@@ -49,7 +49,7 @@ def draw_detections(picture: Image.Image, detections: Sequence[Detection], scale
         return
     short = min(picture.size)
     line = max(2, round(short / 240))
-    font = _font(max(11, round(short / 36)))
+    size = max(11, round(short / 36))
     pad = max(1, line // 2)
     draw = ImageDraw.Draw(picture)
     order = sorted(range(len(detections)), key=lambda i: detections[i].score)
@@ -60,13 +60,23 @@ def draw_detections(picture: Image.Image, detections: Sequence[Detection], scale
         x0, y0, x1, y1 = (round(v * scale) for v in (b.x_min, b.y_min, b.x_max, b.y_max))
         draw.rectangle((x0, y0, max(x0, x1 - 1), max(y0, y1 - 1)), outline=colour, width=line)
         track = track_ids[i] if track_ids is not None else None
-        text = f"{'' if track is None else f'#{track} '}{detection.label} {detection.score:.2f}"
-        left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-        tag_w, tag_h = right - left + 2 * pad, bottom - top + 2 * pad
-        tag_y = y0 - tag_h if y0 - tag_h >= 0 else y0  # above the box, or inside its top where no room is left
-        tag_x = min(max(0, x0), max(0, picture.width - tag_w))
-        draw.rectangle((tag_x, tag_y, tag_x + tag_w - 1, tag_y + tag_h - 1), fill=colour)
-        draw.text((tag_x + pad - left, tag_y + pad - top), text, font=font, fill=_ink_on(colour))
+        tag = _tag(f"{'' if track is None else f'#{track} '}{detection.label} {detection.score:.2f}", size, pad,
+                   colour)
+        tag_y = y0 - tag.height if y0 - tag.height >= 0 else y0  # above the box, or inside its top if no room
+        tag_x = min(max(0, x0), max(0, picture.width - tag.width))
+        picture.paste(tag, (tag_x, tag_y))
+
+
+@lru_cache(maxsize=4096)
+def _tag(text: str, size: int, pad: int, colour: tuple[int, int, int]) -> Image.Image:
+    """A label's tag: its text on its class's colour. Rendering letters is most of a drawing's cost, and the same
+    tags come again and again (scores have two decimals; a video's objects keep their numbers), so each is
+    rendered once. Only read after it is made, so threads share it."""
+    font = _font(size)
+    left, top, right, bottom = font.getbbox(text)
+    tag = Image.new("RGB", (right - left + 2 * pad, bottom - top + 2 * pad), colour)
+    ImageDraw.Draw(tag).text((pad - left, pad - top), text, font=font, fill=_ink_on(colour))
+    return tag
 
 
 def _ink_on(colour: tuple[int, int, int]) -> tuple[int, int, int]:
