@@ -6,8 +6,9 @@ gRPC from its method (app/grpc/calls.py), and both ask `group_refusal`. A `restr
 requests that carry that header with that value; entries are separated by `;`. The model-repository
 group (load, unload, index) changes what the server runs, and a model folder is code, so without an
 entry of its own it answers only requests from loopback addresses; so does the shared-memory group, whose
-regions only a client on the same host can share. Values are compared in constant
-time and never appear in a message, a log line or a repr.
+regions only a client on the same host can share: its routes, and every inference request that names a region
+(the data plane asks it then, app/protocol/plane.py). Values are compared in constant time and never appear in
+a message, a log line or a repr.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def group_refusal(group: str, headers, remote_address: Optional[str],
         return Forbidden("the model-repository routes (load, unload, index) answer only loopback clients unless "
                          "restricted_api grants them to a header; see SECURITY.md")
     if group == SHARED_MEMORY and not is_loopback(remote_address):
-        return Forbidden("the shared-memory routes answer only loopback clients unless restricted_api grants them "
-                         "to a header; see SECURITY.md")
+        return Forbidden("shared memory (registering a region, or naming one in an inference request) is for "
+                         "loopback clients only unless restricted_api grants the shared-memory group to a header; "
+                         "see SECURITY.md")
     return None

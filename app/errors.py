@@ -38,7 +38,9 @@ DetectError
     ├── OutOfMemory          503: one image alone does not fit under the memory cap
     ├── ModelUnavailable     503 with Retry-After: the model's worker is down, given up, or unloaded by request
     ├── InsufficientGpuMemory 503 with Retry-After: loading the model would break the GPU budget
-    └── DeadlineExceeded     504: the answer did not come within request_deadline_s
+    ├── DeadlineExceeded     504: the answer did not come within request_deadline_s
+    ├── CallIdle             408: a call held open (a stream, a Watch) moved no message for idle_timeout_s
+    └── ClientGone           499: the client went away before its answer; its queued work was dropped
 """
 
 from __future__ import annotations
@@ -291,6 +293,21 @@ class DeadlineExceeded(RequestError):
     code = "deadline_exceeded"
 
 
+class CallIdle(RequestError):
+    """A call held open (a gRPC stream, a health Watch) moved no message either way for idle_timeout_s: it is
+    ended, so that an abandoned one gives its place back (gRPC UNAVAILABLE: open a new one)."""
+
+    code = "idle"
+
+
+class ClientGone(RequestError):
+    """The client went away (its connection closed, its call was cancelled) before its answer: what it had
+    queued was dropped before it reached the model. Nobody reads the answer; the code is for the logs and
+    metrics (HTTP 499, as nginx records a client that closed its request; gRPC CANCELLED)."""
+
+    code = "client_gone"
+
+
 # Most specific class first wins: http_status() walks the MRO.
 HTTP_STATUS: dict[type[RequestError], int] = {
     BadRequest: 400,
@@ -309,6 +326,8 @@ HTTP_STATUS: dict[type[RequestError], int] = {
     Overloaded: 503,
     OutOfMemory: 503,
     DeadlineExceeded: 504,
+    CallIdle: 408,
+    ClientGone: 499,
 }
 
 
@@ -353,6 +372,8 @@ GRPC_STATUS: dict[type[RequestError], str] = {
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
+    CallIdle: "UNAVAILABLE",
+    ClientGone: "CANCELLED",
 }
 
 

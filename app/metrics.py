@@ -51,6 +51,14 @@ class ServiceMetrics:
             "model and stage.", ("model", "stage"), buckets=STAGE_BUCKETS, registry=r)
         self.out_of_memory = Counter("detect_out_of_memory", "Images that ran out of memory alone under the cap.",
                                      ("model",), registry=r)
+        self.dropped_images = Counter(
+            "detect_dropped_images", "Images taken out of the queue before their model call because their client "
+            "went away (an HTTP connection closed, a gRPC call cancelled).", ("model",), registry=r)
+        # Calls a client can hold open (app/protocol/admission.py): open now, and ended for idleness.
+        self.open_calls = Gauge("detect_open_calls", "Calls held open now, by door (http, grpc) and kind (stream, "
+                                "watch, reflection).", ("door", "kind"), registry=r)
+        self.idle_calls_ended = Counter("detect_idle_calls_ended", "Held calls ended after idle_timeout_s without a "
+                                        "message either way, by door and kind.", ("door", "kind"), registry=r)
         # gRPC calls, by their full method name (/inference.GRPCInferenceService/ModelInfer) and status code name.
         self.grpc_requests = Counter("detect_grpc_requests", "gRPC calls by method, status code and model.",
                                      ("method", "code", "model"), registry=r)
@@ -101,6 +109,16 @@ class ServiceMetrics:
     def watch_grpc_in_flight(self, count) -> None:
         """Report the gRPC inference calls in flight, `count()`, at scrape time."""
         self.grpc_in_flight.set_function(count)
+
+    def watch_open_calls(self, admission, kinds) -> None:
+        """Report a door's open calls of each of `kinds` from its Admission (app/protocol/admission.py) at scrape
+        time, and count its idle endings."""
+        for kind in kinds:
+            self.open_calls.labels(door=admission.door, kind=kind).set_function(
+                lambda kind=kind: admission.open_calls(kind))
+
+    def observe_idle_end(self, door: str, kind: str) -> None:
+        self.idle_calls_ended.labels(door=door, kind=kind).inc()
 
     def watch_models(self, models) -> None:
         """Report each model's state, worker memory, cap and queue depth from the registry at scrape time."""
@@ -154,6 +172,11 @@ class ModelMetrics:
     def restarted(self) -> None:
         if self._metrics is not None:
             self._metrics.worker_restarts.labels(model=self._model).inc()
+
+    def dropped(self, images: int) -> None:
+        """Count images dropped from the queue because their client went away."""
+        if self._metrics is not None:
+            self._metrics.dropped_images.labels(model=self._model).inc(images)
 
 
 class _ModelCollector:

@@ -209,7 +209,21 @@ class Settings:
     http_threads: int = _setting(
         128, _int_in(1, 1024), "WSGI threads: inference requests admitted at once; beyond, 503 with Retry-After"
     )
-    idle_timeout_s: float = _setting(60.0, _float_in(1.0, 3600.0), "close a connection idle this long (s)")
+    # One idle rule for everything a client can hold open: an HTTP connection, and a gRPC call that stays open
+    # (an inference stream, a health Watch, a reflection stream) with no message either way.
+    idle_timeout_s: float = _setting(
+        60.0, _float_in(1.0, 3600.0), "close a connection, or end a call held open (a gRPC stream, a Watch), idle "
+        "this long (s)"
+    )
+    # Half of http_threads, as before there was a setting: each open stream holds a gRPC thread, and its requests
+    # run on a pool of http_threads of their own (app/grpc/calls.py).
+    max_streams: int = _setting(
+        64, _int_in(1, 1024), "gRPC inference streams (ModelStreamInfer) open at once; beyond, RESOURCE_EXHAUSTED"
+    )
+    # A Watch holds no thread while it waits (it is answered from one ticker), only a few hundred bytes.
+    max_watches: int = _setting(
+        256, _int_in(1, 65536), "gRPC health Watch calls open at once; beyond, RESOURCE_EXHAUSTED"
+    )
     # Twisted's default of 50 overflowed under bursts of 160 connections while the reactor was busy (the
     # chaos soak, docs/how-to/chaos.md): the kernel dropped handshakes and reset some connections after 1 s.
     # 2048 as gunicorn and uvicorn; the kernel caps it at net.core.somaxconn.
@@ -225,6 +239,11 @@ class Settings:
     restricted_api: str = _setting(
         "", _restricted_api, "route groups that need a header: <group>[,<group>]:<header>=<value>[;...] ('' none)",
         secret=True,
+    )
+    # On: a client on this host could otherwise register an object of another user that the server's user can
+    # open (a 0600 file of root's, for a server running as root), and read or write it through the server.
+    shared_memory_same_owner: bool = _setting(
+        True, _bool, "register only shared-memory objects owned by the server's own user (false: any it can open)"
     )
     tls_cert_file: str = _setting("", _optional_text, "PEM certificate (chain) to serve HTTPS with ('' plain HTTP)")
     tls_key_file: str = _setting("", _optional_text, "PEM private key of tls_cert_file")
@@ -258,9 +277,10 @@ class Settings:
         30.0, _float_in(0.5, 3600.0), "close a connection whose body takes longer than this to arrive (s)"
     )
     # Video (POST /detect/video, the `video` extra): each video is refused whole, before it is decoded, when a limit
-    # is passed. 100 MiB and 10 minutes hold a phone's 1080p clip of a few minutes; 18000 frames are 10 minutes at 30 fps.
+    # is passed. 100 MiB and 10 minutes hold a phone's 1080p clip of a few minutes; 18000 frames: 10 minutes at 30 fps.
     max_video_bytes: int = _setting(
-        100 * 2**20, _bytes_in(1024, 2**36), "largest video body, streamed to a temporary file as it arrives (bytes, or 100MiB)"
+        100 * 2**20, _bytes_in(1024, 2**36),
+        "largest video body, streamed to a temporary file as it arrives (bytes, or 100MiB)"
     )
     max_video_s: float = _setting(600.0, _float_in(0.1, 86400.0), "longest video, first frame to last (s)")
     max_video_frames: int = _setting(
@@ -276,6 +296,11 @@ class Settings:
         32, _int_in(1, 1024), "frames of one video in the model's queue or its calls at once"
     )
     video_decoder_threads: int = _setting(2, _int_in(1, 16), "FFmpeg decoding threads per video")
+    # 16: an eighth of http_threads' 128, so that videos, each holding a request thread for as long as it lasts,
+    # leave the rest to images.
+    max_video_streams: int = _setting(
+        16, _int_in(1, 1024), "videos answered at once (each also counts in http_threads); beyond, 503 with Retry-After"
+    )
     # Model workers: their budget, their lifecycle and their supervision.
     gpu_total_mib: int = _setting(
         0, _int_in(0, 2**24), "GPU memory per GPU the budget may fill (MiB; 0: each GPU's total from NVML)"
@@ -387,9 +412,10 @@ SETTING_GROUPS = (
     ("Scheduling: batching, concurrency, admission", ("max_batch_size", "max_batch_delay_ms", "inference_threads",
                                                       "max_queue", "http_threads", "request_deadline_s")),
     ("Video", ("max_video_bytes", "max_video_s", "max_video_frames", "max_video_fps", "video_frames_in_flight",
-               "video_decoder_threads")),
-    ("Connections and shutdown", ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_grace_s")),
-    ("Access", ("restricted_api", "cors_origins")),
+               "video_decoder_threads", "max_video_streams")),
+    ("Connections and shutdown", ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_streams",
+                                  "max_watches", "shutdown_grace_s")),
+    ("Access", ("restricted_api", "shared_memory_same_owner", "cors_origins")),
     ("Logging and launchers", ("log_level", "fleet_state", "instance_name", "notify_fd")),
 )
 

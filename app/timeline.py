@@ -34,9 +34,6 @@ STAGES = {
 # has answered, for the I/O thread to add `write` and observe the stages.
 RECEIVED_KEY = "detect.received"
 TIMELINE_KEY = "detect.timeline"
-# A threading.Event the I/O thread sets when the request's connection is lost before its answer is finished:
-# a long answer (a video) stops when its client goes away.
-GONE_KEY = "detect.gone"
 
 
 @dataclass

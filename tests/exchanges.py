@@ -465,10 +465,20 @@ def http_exchanges() -> list[dict]:
                 "shared_memory_region": "r", "shared_memory_byte_size": 48}}],
             "outputs": [{"name": "num_detections", "parameters": {
                 "shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": 1024}}]}), JSON),
+        http_exchange("v2 shm infer into an output place too small", "POST", f"/v2/models/{MODEL}/infer", _json({
+            "inputs": [{"name": "input_tensor", "datatype": "UINT8", "shape": [1, 4, 4, 3], "parameters": {
+                "shared_memory_region": "r", "shared_memory_byte_size": 48}}],
+            "outputs": [{"name": "num_detections", "parameters": {
+                "shared_memory_region": "r", "shared_memory_byte_size": 2, "shared_memory_offset": 1024}}]}), JSON),
+        http_exchange("v2 shm register a name with a newline", "POST",
+                      "/v2/systemsharedmemory/region/n%0A/register",
+                      _json({"key": SHM_KEY, "offset": 0, "byte_size": SHM_BYTES}), JSON),
         http_exchange("v2 shm region unregister", "POST", "/v2/systemsharedmemory/region/r/unregister"),
         http_exchange("v2 shm unregister all", "POST", "/v2/systemsharedmemory/unregister"),
         http_exchange("v2 infer json pixels", "POST", f"/v2/models/{MODEL}/infer",
                       _json({"id": "pixels-1", "inputs": [_pixels(batch)]}), JSON),
+        http_exchange("v2 infer timeout past any float", "POST", f"/v2/models/{MODEL}/infer",
+                      _json({"inputs": [_pixels(batch)], "parameters": {"timeout": 10**310}}), JSON),
         http_exchange("v2 infer json files with detections", "POST", f"/v2/models/{MODEL}/versions/2/infer",
                       _json({"inputs": [v2_bytes], "parameters": {"threshold": 0.2, "max_detections": 2},
                              "outputs": [{"name": "num_detections"}, {"name": "detections"}]}), JSON),
@@ -657,6 +667,8 @@ def grpc_exchanges() -> list[dict]:
                       _infer(_tensor(), raw=[raw], outputs=("boxes",))),
         grpc_exchange("kserve infer bad parameter", KSERVE + "ModelInfer",
                       _infer(_tensor(), raw=[raw], parameters={"threshold": {"double_param": 2.0}})),
+        grpc_exchange("kserve infer timeout past any float", KSERVE + "ModelInfer",
+                      _infer(_tensor(), raw=[raw], parameters={"timeout": {"string_param": "9" * 320}})),
         grpc_exchange("kserve infer unknown parameter", KSERVE + "ModelInfer",
                       _infer(_tensor(), raw=[raw], parameters={"colour": {"string_param": "red"}})),
         grpc_exchange("kserve infer not an image", KSERVE + "ModelInfer",
@@ -730,6 +742,8 @@ def grpc_exchanges() -> list[dict]:
                       {"name": "g", "key": SHM_KEY, "byte_size": SHM_BYTES}),
         grpc_exchange("kserve shm register no key", KSERVE + "SystemSharedMemoryRegister",
                       {"name": "h", "key": "/no-such-key", "byte_size": 8}),
+        grpc_exchange("kserve shm register a name with a slash", KSERVE + "SystemSharedMemoryRegister",
+                      {"name": "a/b", "key": SHM_KEY, "byte_size": SHM_BYTES}),
         grpc_exchange("kserve shm status", KSERVE + "SystemSharedMemoryStatus", {}),
         grpc_exchange("kserve shm unregister", KSERVE + "SystemSharedMemoryUnregister", {"name": "g"}),
         grpc_exchange("kserve shm unregister all", KSERVE + "SystemSharedMemoryUnregister", {}),

@@ -89,7 +89,9 @@ def test_the_camera_mode_keeps_one_frame_in_flight_and_draws_tracked_boxes(page,
     page.page.on("requestfinished", done)
     page.page.on("requestfailed", done)
     page.page.click("#camera-start")
-    frames = lambda count: lambda: int(page.page.evaluate("() => document.body.dataset.cameraFrames || 0")) >= count  # noqa: E731
+    def frames(count: int):
+        return lambda: int(page.page.evaluate("() => document.body.dataset.cameraFrames || 0")) >= count
+
     wait_for(frames(8), 120, "eight camera frames answered")
     early = shown_tracks(page)
     wait_for(frames(16), 120, "sixteen camera frames answered")

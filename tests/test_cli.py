@@ -141,7 +141,7 @@ def test_serve_help_groups_the_settings_in_the_sections_and_order_of_the_setting
 def test_boolean_settings_are_flags_with_no_forms_and_no_value_placeholder():
     text = parser_of("serve").format_help()
     booleans = [f.name for f in setting_fields() if isinstance(f.default, bool)]
-    assert set(booleans) == {"decode_at_model_size", "preload", "parity_gate"}
+    assert set(booleans) == {"decode_at_model_size", "preload", "parity_gate", "shared_memory_same_owner"}
     for name in booleans:
         flag = flag_name(name)
         assert f"{flag}, --no-{flag[2:]}" in text, name

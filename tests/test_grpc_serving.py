@@ -222,14 +222,14 @@ def test_five_kills_of_a_worker_under_16_concurrent_grpc_callers_leave_every_cal
 
 
 def test_open_streams_are_capped_so_unary_calls_and_health_keep_their_threads(tmp_path, blob_model_dir):
-    """With http_threads 4, at most 2 streams are open at once: a third is refused at once (RESOURCE_EXHAUSTED),
+    """With max_streams 2, at most 2 streams are open at once: a third is refused at once (RESOURCE_EXHAUSTED),
     unary calls and liveness still answer, and once a stream closes a new one is let in. Each stream's requests
     are counted as calls of ModelStreamInfer."""
     import queue
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_HTTP_THREADS": "4",
+    server = start_server({"DETECT_MODEL": str(blob_model_dir), "DETECT_HTTP_THREADS": "4", "DETECT_MAX_STREAMS": "2",
                            "DETECT_SPARE_WORKERS": "0"}, tmp_path / "server.log")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:

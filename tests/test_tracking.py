@@ -1,4 +1,4 @@
-"""ByteTrack (app/vision/tracking.py) on hand-made detections: what keeps an identity, what starts one, what ends one."""
+"""ByteTrack (app/vision/tracking.py) on hand-made detections: what keeps an identity, what starts one, ends one."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def video_server(blob_model_dir, slow_blob_model_dir, tmp_path_factory):
         "DETECT_MODEL_REPOSITORY": str(repository), "DETECT_DEFAULT_MODEL": "blob", "DETECT_IDLE_UNLOAD_S": "0",
         "DETECT_SPARE_WORKERS": "0", "DETECT_MAX_VIDEO_BYTES": str(MAX_VIDEO_BYTES), "DETECT_MAX_VIDEO_S": "4",
         "DETECT_MAX_VIDEO_FRAMES": "200", "DETECT_MAX_IMAGE_PIXELS": "200000", "DETECT_MAX_VIDEO_FPS": "30",
-        "DETECT_VIDEO_FRAMES_IN_FLIGHT": str(IN_FLIGHT), "DETECT_HTTP_THREADS": "64",
+        "DETECT_VIDEO_FRAMES_IN_FLIGHT": str(IN_FLIGHT), "DETECT_HTTP_THREADS": "64", "DETECT_MAX_VIDEO_STREAMS": "32",
     }, tmp_path_factory.mktemp("video-server") / "server.log")
     yield server
     server.stop()
@@ -367,3 +367,33 @@ def test_dozens_of_videos_some_clients_leaving_the_rest_answered_whole_and_nothi
                      and s["threads"] <= before["threads"] and s, 30, "threads and descriptors back")
     assert after["deleted_files"] == before["deleted_files"]
     assert after["rss_mib"] - before["rss_mib"] < 40, (before, after)
+
+
+def test_videos_over_max_video_streams_are_refused_at_once_and_images_still_pass(blob_model_dir, slow_blob_model_dir,
+                                                                                tmp_path):
+    """Each video holds a request thread for as long as it lasts: past max_video_streams the next is 503 with
+    Retry-After, from the reactor, while images (which count in http_threads only) are answered."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    (repository / "blob").symlink_to(blob_model_dir)
+    (repository / "slow").symlink_to(slow_blob_model_dir.parent)
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(repository), "DETECT_DEFAULT_MODEL": "blob",
+                           "DETECT_SPARE_WORKERS": "0", "DETECT_MAX_VIDEO_STREAMS": "2"}, tmp_path / "server.log")
+    held = []
+    try:
+        for _ in range(2):
+            conn, answer = _open_stream(server.port, make_video(frames=60))
+            assert answer.status == 200
+            answer.readline()
+            held.append((conn, answer))
+        status, headers, refusal, _ = post_video(server, make_video(frames=3), "/models/slow/detect/video")
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert refusal["error"]["code"] == "overloaded" and "(max_video_streams)" in refusal["error"]["message"]
+        status, _, answer = server.request("POST", "/detect", encode(red_and_green(0), "PNG"),
+                                           {"Content-Type": "image/png"})
+        assert status == 200 and len(answer["detections"]) == 2
+    finally:
+        for conn, answer in held:
+            answer.close()
+            conn.close()
+        server.stop()

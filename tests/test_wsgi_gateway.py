@@ -112,4 +112,6 @@ def test_the_app_sees_twisted_s_environ_and_when_the_body_began(twins, raw):
     ours = environ_seen(twins, "ours", raw)
     assert theirs.pop("received") == "NoneType"
     assert ours.pop("received") == "float"  # the timeline's start (app/timeline.py)
+    assert theirs.pop("cancellation") == "NoneType"
+    assert ours.pop("cancellation") == "Cancellation"  # set if the client goes (app/cancellation.py)
     assert ours == theirs

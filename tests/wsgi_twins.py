@@ -16,6 +16,7 @@ from twisted.web import server
 from twisted.web.wsgi import WSGIResource
 
 from app.hosting.wsgi import TimedWSGIResource, whole_body_input
+from app.cancellation import CANCELLATION_KEY
 from app.timeline import RECEIVED_KEY
 
 LATIN = "caf\u00e9"  # a header value beyond ASCII, as WSGI's latin-1 native string
@@ -28,8 +29,9 @@ def environ_answer(environ, start_response):
     rest = stream.read()
     environ["wsgi.errors"].write("a note to the error stream\n")
     shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in environ.items()
-             if k not in ("wsgi.input", "wsgi.errors", RECEIVED_KEY)}
+             if k not in ("wsgi.input", "wsgi.errors", RECEIVED_KEY, CANCELLATION_KEY)}
     shown["received"] = type(environ.get(RECEIVED_KEY)).__name__
+    shown["cancellation"] = type(environ.get(CANCELLATION_KEY)).__name__
     shown["input"] = [first_line.decode("latin-1"), rest.decode("latin-1")]
     body = json.dumps(shown, sort_keys=True).encode()
     start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])

@@ -14,13 +14,12 @@ the others answer UNIMPLEMENTED. Errors are raised as the project's own and answ
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
 from google.protobuf import json_format
 
-from ..errors import InvalidBody, RequestError, grpc_status
+from ..errors import InvalidBody
 from ..protocol import context as request_context
 from ..protocol import repository, v2
 from ..protocol.plane import DataPlane
@@ -28,13 +27,14 @@ from ..protocol.v2_codec import (
     DATATYPES, MAX_NAME, NUMPY_TYPES, InferRequest, RequestedOutput, Tensor, binary_data, check_requested_output,
     check_shape, check_unique_inputs, element_count, shared_memory_ref, tensor_bytes,
 )
+from ..protocol.admission import Admission
+from ..protocol.context import RequestContext
 from ..timeline import Timeline
-from .calls import Admission, Streams, deadline_of, observe_request
+from .calls import deadline_of, observe_request, status_of
+from .streams import Streams
 from .protos import grpc_service_pb2 as pb
 from .protos import grpc_service_pb2_grpc as pb_grpc
 from .protos import model_config_pb2
-
-log = logging.getLogger(__name__)
 
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -99,21 +99,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """
         return self._streams.serve(request_iterator, context, self._stream_answer)
 
-    def _stream_answer(self, request, context):
-        """One request of a stream, in a request context of its own: its answer, or its error as Triton sends it."""
+    def _stream_answer(self, request, context, stream: RequestContext):
+        """One request of a stream, in a request context of its own (the stream's client and cancellation): its
+        answer, or its error as Triton sends it."""
         parameters = {}
         final = request.parameters.get("triton_enable_empty_final_response")
         if final is not None and final.bool_param:
             parameters["triton_final_response"] = pb.InferParameter(bool_param=True)
         started, code = time.perf_counter(), "OK"
         try:
-            response = self._observed(lambda: self.ModelInfer(request, context))
+            response = self._observed(lambda: self.ModelInfer(request, context), stream)
         except Exception as error:
-            if isinstance(error, RequestError):
-                code, message = grpc_status(error), error.message
-            else:
-                log.exception("unexpected error in a ModelStreamInfer request")
-                code, message = "INTERNAL", "an internal error occurred; it has been logged"
+            code, message = status_of(error, "a ModelStreamInfer request")
             return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
                 model_name=request.model_name, model_version=request.model_version, id=request.id,
                 parameters=parameters))
@@ -125,9 +122,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             response.parameters[key].CopyFrom(value)
         return pb.ModelStreamInferResponse(infer_response=response)
 
-    def _observed(self, call):
+    def _observed(self, call, stream: RequestContext):
         """Run `call` in a request context of its own, recording it as the interceptor records a unary call."""
-        token = request_context.begin(Timeline())
+        token = request_context.begin(Timeline(), stream.client, stream.cancellation)
         try:
             answer = call()
             observe_request(self._plane, answered=True)

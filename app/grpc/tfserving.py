@@ -23,7 +23,8 @@ from ..protocol import v1
 from ..protocol.plane import DataPlane, served_version
 from ..protocol.v1_codec import SIGNATURE, check_signature_name
 from ..protocol.v2_codec import MAX_RANK
-from .calls import Admission, deadline_of
+from ..protocol.admission import Admission
+from .calls import deadline_of
 from .protos.tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
 from .protos.tensorflow_serving.apis import (
     get_model_metadata_pb2, get_model_status_pb2, model_pb2, model_service_pb2_grpc, predict_pb2,

@@ -35,7 +35,8 @@ from ..settings import (DEFAULT_CONFIG, FALSE_WORDS, TRUE_WORDS, Settings, check
 
 log = logging.getLogger("app.serve")
 
-CONTROL_THREADS = 2  # probes, /metrics and /gpu: a pool of their own, so they answer under load
+CONTROL_THREADS = 2  # /metrics and /gpu: a pool of their own, so they answer under load
+PROBE_THREADS = 2  # /healthz, /readyz, /v2/health/*: a pool that nothing else uses, so they answer whatever is held
 
 
 def build_parser(config: Optional[Path] = None) -> argparse.ArgumentParser:
@@ -260,23 +261,24 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
     from twisted.internet import reactor
     from twisted.python.threadpool import ThreadPool
 
+    from ..protocol.admission import VIDEO, Admission
     from .site import DetectSite, ProbeFirstRoot
     from .wsgi import TimedWSGIResource, whole_body_input
 
     wsgi_app = whole_body_input(app)
     resources, pools = [], []
-    for name, size in (("wsgi", settings.http_threads), ("wsgi-control", CONTROL_THREADS)):
+    for name, size in (("wsgi", settings.http_threads), ("wsgi-control", CONTROL_THREADS),
+                       ("wsgi-probe", PROBE_THREADS)):
         pool = ThreadPool(minthreads=1, maxthreads=size, name=name)
         reactor.callWhenRunning(pool.start)
         pools.append(pool)
         resources.append(TimedWSGIResource(reactor, pool, wsgi_app))
 
-    def queue_refusal(target: str):
+    def find_model(target: str):
         try:
-            model = registry.get(target) if target else registry.default()
+            return registry.get(target) if target else registry.default()
         except DetectError:
             return None  # the app answers 404
-        return model.queue.refusal()
 
     def refused(route: str, status: int, target: str):
         try:
@@ -285,9 +287,12 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
             name = ""
         metrics.observe_refusal(route, status, name)
 
-    site = DetectSite(ProbeFirstRoot(*resources), settings, lifecycle, on_refused=refused,
-                      queue_refusal=queue_refusal, on_stages=metrics.observe_stages)
+    admission = Admission("http", settings, lifecycle,
+                          on_idle_end=lambda kind: metrics.observe_idle_end("http", kind))
+    site = DetectSite(ProbeFirstRoot(*resources), settings, lifecycle, admission, on_refused=refused,
+                      find_model=find_model, on_stages=metrics.observe_stages)
     metrics.watch_in_flight(lambda: site.in_flight)
+    metrics.watch_open_calls(admission, [VIDEO])
     return site, pools
 
 
@@ -425,7 +430,7 @@ def _finish(server: Server) -> int:
     if server.nvml is not None:
         server.nvml.close()
     log.info("stopped")
-    if stopper.is_alive() or (server.grpc is not None and server.grpc.admission.in_flight > 0):
+    if stopper.is_alive() or (server.grpc is not None and server.grpc.admission.open_calls("inference") > 0):
         log.warning("abandoning request(s) still running after the shutdown grace")
         logging.shutdown()
         os._exit(server.status)  # their threads would keep the process alive

@@ -16,9 +16,10 @@ from typing import Callable, Optional
 from twisted.internet import defer, task
 from twisted.web import http, resource, server
 
-from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, Overloaded, RequestError, VideoTooLarge, http_status
+from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, RequestError, VideoTooLarge, http_status
 from ..http.errors import ErrorAnswer, error_answer
-from ..http.paths import Target, inference_target, is_video, protocol_of
+from ..http.paths import VIDEO_ROUTES, Target, inference_target, is_video, protocol_of
+from ..protocol.admission import INFERENCE, VIDEO, Admission
 from ..settings import Settings
 from ..timeline import TIMELINE_KEY, Timeline
 from . import listening
@@ -28,27 +29,34 @@ access_log = logging.getLogger("app.access")
 log = logging.getLogger(__name__)
 
 
-CONTROL_PATHS = (b"healthz", b"readyz", b"metrics", b"gpu")
+# The probes, answered on WSGI threads of their own that nothing else uses (app/protocol/admission.py), and the
+# other control routes (metrics, /gpu), on theirs: neither waits behind inference, nor the probes behind a scrape.
+PROBE_PATHS = (b"/healthz", b"/readyz", b"/v2/health/live", b"/v2/health/ready")
+CONTROL_PATHS = (b"/metrics", b"/gpu")
 IN_MEMORY_BODY_BYTES = 4 * 2**20  # bodies up to this size are held in memory, not spooled to disk
 DISCARD_ALLOWANCE = 64 * 2**20  # bytes past the limit read and dropped after a 413, before aborting
 
 
 class ProbeFirstRoot(resource.Resource):
-    """Send probes and metrics to their own WSGI thread pool, everything else to the main one.
+    """Send probes to their own WSGI thread pool, metrics and /gpu to another, everything else to the main one.
 
-    Both resources host the same Flask app; the split only keeps /readyz and /healthz from queueing
-    behind inference when every main thread is busy.
+    The resources host the same Flask app; the split only keeps the probes from queueing behind inference when
+    every main thread is busy, or behind slow scrapes of /gpu.
     """
 
-    def __init__(self, main: resource.Resource, control: resource.Resource):
+    def __init__(self, main: resource.Resource, control: resource.Resource, probes: resource.Resource):
         super().__init__()
         self._main = main
         self._control = control
+        self._probes = probes
 
     def getChildWithDefault(self, path, request):
         # Give the segment back, so the WSGI app sees the whole path, as it would at the root.
         request.postpath.insert(0, request.prepath.pop())
-        return self._control if path in CONTROL_PATHS else self._main
+        whole = request.path.split(b"?", 1)[0]
+        if whole in PROBE_PATHS:
+            return self._probes
+        return self._control if whole in CONTROL_PATHS else self._main
 
 
 class DetectRequest(server.Request):
@@ -100,12 +108,19 @@ class DetectRequest(server.Request):
         path = self.path.split(b"?", 1)[0].decode("latin-1")
         target = inference_target(path)
         if target is not None:
-            refusal = site.admit_inference(target)
-            if refusal is not None:
+            admitted = site.admit_inference(target)
+            if isinstance(admitted, RequestError):
                 self.notifyFinish().addBoth(site.log_access, self)
-                self._refuse(refusal, protocol_of(path))
+                self._refuse(admitted, protocol_of(path))
                 return
-            self.notifyFinish().addBoth(site.inference_done)
+            self.notifyFinish().addBoth(lambda _: admitted.leave())  # a lost connection counts it out too
+            if target.route in VIDEO_ROUTES:
+                video = site.admit_video(target)
+                if isinstance(video, RequestError):
+                    self.notifyFinish().addBoth(site.log_access, self)
+                    self._refuse(video, protocol_of(path))
+                    return
+                self.notifyFinish().addBoth(lambda _: video.leave())
         site.in_flight += 1
         # notifyFinish fires on finish or on a lost connection; Twisted's own log call runs only on
         # finish, which a client that has read its whole answer and hung up can beat.
@@ -222,25 +237,24 @@ def raw_answer(answer: ErrorAnswer) -> bytes:
 class DetectSite(server.Site):
     """The service's Site: idle timeout from the settings, admission of inference, counting for a graceful drain.
 
-    At most `http_threads` inference requests are admitted at once, one per WSGI thread, and none while
-    their model's inference queue is full; the others get 503 with Retry-After at once, from the
-    reactor. Without the first bound, requests beyond the threads would wait in Twisted's unbounded
-    thread-pool queue, out of sight of the inference queue's bound and of their deadline, and
-    overload would show as ever-growing latency instead of 503. Without the second, every request
-    the queue will refuse would first take a thread and decode its image: under 4x overload that
-    halved the throughput of the requests admitted.
+    Each inference request is admitted by the one rule (app/protocol/admission.py) in the reactor, before it
+    takes a WSGI thread: at most `http_threads` at once, one per WSGI thread, and none while their model's
+    inference queue is full, nor once the server drains; the others get 503 with Retry-After at once. Without
+    the first bound, requests beyond the threads would wait in Twisted's unbounded thread-pool queue, out of
+    sight of the inference queue's bound and of their deadline, and overload would show as ever-growing latency
+    instead of 503. Without the second, every request the queue will refuse would first take a thread and
+    decode its image: under 4x overload that halved the throughput of the requests admitted.
 
-    `queue_refusal(target)` is called in the reactor for each inference request, with the model it
-    names (DEFAULT_MODEL for /detect); it returns the Overloaded error that model's queue would
-    answer now, or None. `lifecycle.draining` turns every new inference request away.
+    `find_model(target)` is called in the reactor for each inference request, with the model it names
+    (DEFAULT_MODEL for /detect); it returns the model, or None where there is none (the app answers 404).
     """
 
     requestFactory = DetectRequest
     protocol = DetectChannel
 
-    def __init__(self, resource, settings: Settings, lifecycle,
+    def __init__(self, resource, settings: Settings, lifecycle, admission: Admission,
                  on_refused: Optional[Callable[[str, int, str], None]] = None,
-                 queue_refusal: Callable[[str], Optional[Overloaded]] = lambda target: None,
+                 find_model: Callable[[str], object] = lambda target: None,
                  on_stages: Optional[Callable[[str, Timeline], None]] = None):
         options = {}
         if "parsePOSTFormSubmission" in inspect.signature(server.Site.__init__).parameters:
@@ -252,32 +266,36 @@ class DetectSite(server.Site):
         self.settings = settings
         self.lifecycle = lifecycle
         self.in_flight = 0  # every request the app is handling, probes included
-        self.inference_in_flight = 0
+        self.admission = admission
         self.displayTracebacks = False
         self._on_refused = on_refused  # called with (route, status, model) of each request refused here
-        self._queue_refusal = queue_refusal
+        self._find_model = find_model
         self._on_stages = on_stages  # called with (model, timeline) of each request that ran images
         self.open_channels: set = set()  # every connection of this Site not yet lost
 
-    def admit_inference(self, target: Target) -> Optional[RequestError]:
-        """Count an inference request in, or return the error that refuses it."""
-        if self.lifecycle.draining:
-            # Shutdown has begun: only requests accepted before it finish; probes still reach the app.
-            refusal: Optional[RequestError] = NotReady("the server is shutting down; retry on another instance")
-        elif self.inference_in_flight >= self.settings.http_threads:
-            refusal = Overloaded(f"the server is handling {self.inference_in_flight} inference requests, its "
-                                 "limit (http_threads); retry shortly")
-        else:
-            refusal = self._queue_refusal(target.model)
-        if refusal is None:
-            self.inference_in_flight += 1
-        elif self._on_refused is not None:
-            self._on_refused(target.route, http_status(refusal), target.model)
-        return refusal
+    @property
+    def inference_in_flight(self) -> int:
+        return self.admission.open_calls(INFERENCE)
 
-    def inference_done(self, result) -> None:
-        """Count an admitted inference request out; swallows the client-went-away failure."""
-        self.inference_in_flight -= 1
+    def admit_inference(self, target: Target):
+        """Admit an inference request (its admission's Ticket, to leave when it is done), or return the error that
+        refuses it. While the server drains, only requests accepted before finish; probes still reach the app."""
+        try:
+            return self.admission.enter(INFERENCE, self._find_model(target.model))
+        except RequestError as refusal:
+            if self._on_refused is not None:
+                self._on_refused(target.route, http_status(refusal), target.model)
+            return refusal
+
+    def admit_video(self, target: Target):
+        """Admit a video, already admitted as an inference request, against max_video_streams (its Ticket), or return
+        the error that refuses it."""
+        try:
+            return self.admission.enter(VIDEO)
+        except RequestError as refusal:
+            if self._on_refused is not None:
+                self._on_refused(target.route, http_status(refusal), target.model)
+            return refusal
 
     def request_done(self, result, request) -> None:
         """Count a request out of flight, record its stages and log it; swallows the client-went-away failure."""

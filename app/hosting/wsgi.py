@@ -23,7 +23,6 @@ beyond this machine's noise).
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 from twisted.internet import threads
@@ -31,8 +30,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
 
+from ..cancellation import CANCELLATION_KEY, Cancellation
 from ..errors import AnswerCut
-from ..timeline import GONE_KEY, RECEIVED_KEY
+from ..timeline import RECEIVED_KEY
 
 WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
 
@@ -92,16 +92,16 @@ class WholeAnswer:
         self.finished = False
         self.status: str = ""
         self.headers: list = []
-        request.notifyFinish().addBoth(self._finish_noted)
         self.environ = wsgi_environ(request)
-        self.gone = threading.Event()
-        self.environ[GONE_KEY] = self.gone
+        # Set when the client goes away before its answer, so that what it queued is dropped (app/cancellation.py).
+        self.environ[CANCELLATION_KEY] = Cancellation()
+        request.notifyFinish().addBoth(self._finish_noted)
         request.defaultContentType = None  # the app decides every header
 
     def _finish_noted(self, result) -> None:
         self.finished = True
-        if isinstance(result, Failure):  # the connection was lost before the answer was finished
-            self.gone.set()
+        if isinstance(result, Failure):  # the connection was lost before the answer was written: the client went
+            self.environ[CANCELLATION_KEY].cancel()
 
     def start_response(self, status, headers, exc_info=None):
         """The WSGI start_response: keep the status and headers until the answer goes out (PEP 3333).

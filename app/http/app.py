@@ -8,6 +8,7 @@ import time
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from ..cancellation import CANCELLATION_KEY
 from ..errors import BadRequest, BodyTooLarge, InternalError, MethodNotAllowed, NotFound, RequestError
 from ..protocol import context
 from ..protocol.plane import DataPlane
@@ -90,7 +91,9 @@ def _start_timer():
     # handler is the `receive` stage.
     timeline = Timeline(start=request.environ.get(RECEIVED_KEY))
     timeline.lap("receive")
-    g.context_token = context.begin(timeline)
+    client = context.Client(request.remote_addr, {name.lower(): value for name, value in request.headers.items()})
+    # The gateway sets it when the connection closes before the answer (app/hosting/wsgi.py); the test client has none.
+    g.context_token = context.begin(timeline, client, request.environ.get(CANCELLATION_KEY))
 
 
 def _check_access():

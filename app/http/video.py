@@ -14,14 +14,13 @@ import json
 import math
 import shutil
 import tempfile
-import threading
 from typing import Iterator, Optional
 
 from flask import Blueprint, Response, request
 
 from ..errors import InvalidParameter, Unimplemented, UnsupportedContentType, VideoTooLarge
+from ..protocol import context
 from ..protocol.video import VideoOptions, start_video
-from ..timeline import GONE_KEY
 from ..vision.video import VIDEO_TYPES, video_available
 from .detect_request import media_type, parse_max_detections, parse_threshold
 from .plane import plane
@@ -59,8 +58,7 @@ def _video(model):
     if length is not None and length > settings.max_video_bytes:
         raise VideoTooLarge(f"the request body is {length} bytes, over the limit of {settings.max_video_bytes} bytes "
                             "(max_video_bytes)")
-    gone = request.environ.get(GONE_KEY) or threading.Event()
-    run = start_video(data_plane, model, _body(), options, gone)
+    run = start_video(data_plane, model, _body(), options, context.current().cancellation)
     if options.annotated:
         response = Response(run.mp4(), mimetype="video/mp4")
     else:

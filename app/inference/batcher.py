@@ -9,7 +9,9 @@ at once in its own thread (no hand-off to a batching thread and back: on an idle
 wake-up costs a quarter of a millisecond). At most `threads` calls run at once either way. A full
 queue refuses at once (Overloaded); an image whose deadline passed before its call is answered
 DeadlineExceeded rather than run. Every submitted image gets exactly one answer, in the position it
-came from.
+came from. A request whose client has gone (its Cancellation, app/cancellation.py) has its images still
+waiting taken out of the queue at once, each answered ClientGone, so they never reach the model; an image
+already in a model call finishes there.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..errors import DeadlineExceeded, DetectError, NotReady, Overloaded
+from ..cancellation import Cancellation
+from ..errors import ClientGone, DeadlineExceeded, DetectError, NotReady, Overloaded
 from ..timeline import CallTimes, Timeline
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,14 @@ class InferenceQueue:
     """A bounded queue of images and the worker threads that run them; thread-safe."""
 
     def __init__(self, run_batch: RunBatch, max_batch: int, max_delay_s: float, threads: int, max_queue: int,
-                 on_wait: Optional[Callable[[float], None]] = None):
+                 on_wait: Optional[Callable[[float], None]] = None,
+                 on_dropped: Optional[Callable[[int], None]] = None):
         self._run_batch = run_batch
         self._max_batch = max_batch
         self._max_delay_s = max_delay_s
         self._max_queue = max_queue
         self._on_wait = on_wait
+        self._on_dropped = on_dropped  # called with the number of images dropped for a client that went away
         self._pending: deque[QueuedImage] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -100,15 +105,20 @@ class InferenceQueue:
             "retry shortly"
         )
 
-    def submit(self, images: Sequence[np.ndarray], deadline: float, run_here: bool = True) -> list[QueuedImage]:
+    def submit(self, images: Sequence[np.ndarray], deadline: float,
+               cancellation: Optional[Cancellation] = None, run_here: bool = True) -> list[QueuedImage]:
         """Queue one request's images; return their futures; raise Overloaded at once if they do not fit.
 
-        `run_here` False leaves every call to the batching threads: a caller that goes on submitting (a video's
-        frames) must not be held by a call in its own thread, and its frames then share calls.
+        With a `cancellation`, the images still waiting when it is cancelled are dropped (their futures
+        cancelled); ClientGone if it is cancelled already. `run_here` False leaves every call to the batching
+        threads: a caller that goes on submitting (a video's frames) must not be held by a call in its own
+        thread, and its frames then share calls.
         """
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
+            if cancellation is not None and cancellation.cancelled:
+                raise ClientGone("the client went away before its images were queued")
             refused = self._refusal(len(images))
             if refused is not None:
                 raise refused
@@ -122,7 +132,26 @@ class InferenceQueue:
                 self._cond.notify()
         if now_in_this_thread:
             self._run_here(items)
+        elif cancellation is not None:
+            forget = cancellation.on_cancel(lambda: self._drop(items))
+            for item in items:
+                item.add_done_callback(lambda _: forget() if all(i.done() for i in items) else None)
         return items
+
+    def _drop(self, items: list[QueuedImage]) -> None:
+        """Take the request's images still waiting out of the queue, each answered ClientGone (its client has gone)."""
+        with self._cond:
+            waiting = {id(item) for item in items if not item.taken}
+            if not waiting:
+                return
+            self._pending = deque(item for item in self._pending if id(item) not in waiting)
+            dropped = [item for item in items if id(item) in waiting]
+        for item in dropped:
+            item.set_exception(ClientGone("the client went away; its image was dropped from the queue before its "
+                                          "model call"))
+        log.debug("dropped %d queued image(s) of a request whose client went away", len(dropped))
+        if self._on_dropped is not None:
+            self._on_dropped(len(dropped))
 
     def _may_run_now(self, items: list[QueuedImage]) -> bool:
         """Whether a request's images make their call at once, in its own thread (under the lock).

@@ -109,6 +109,7 @@ class ServedModel:
         self.queue = InferenceQueue(
             self._run_batch, max_batch=settings.max_batch_size, max_delay_s=settings.max_batch_delay_ms / 1000.0,
             threads=settings.inference_threads, max_queue=settings.max_queue, on_wait=self._metrics.queue_wait,
+            on_dropped=self._metrics.dropped,
         )
 
     # The request path ------------------------------------------------------------------------------
@@ -207,12 +208,12 @@ class ServedModel:
                                     f"({self._host.settings.request_deadline_s:g} s)")
         return ModelUnavailable(f"model {self.name} is unavailable: {self.reason or 'its worker is not back'}")
 
-    def detect_outputs(self, images, deadline: float, timeline: Optional[Timeline] = None) -> list:
+    def detect_outputs(self, images, deadline: float, timeline: Optional[Timeline] = None, cancellation=None) -> list:
         """Queue the images and wait for the model's outputs, one per image; raise per-image errors.
 
-        With a `timeline`, add the stages from the queue to the request's thread having the answers.
-        """
-        queued = self.queue.submit(images, deadline)
+        With a `timeline`, add the stages from the queue to the request's thread having the answers; a
+        `cancellation` drops the images still queued when the client goes, each answered ClientGone."""
+        queued = self.queue.submit(images, deadline, cancellation)
         outputs = []
         for future in queued:
             try:
@@ -592,7 +593,6 @@ def _policy_text(worker: WorkerProcess) -> str:
     if not gpus:
         return f"GPU memory policy {policy.get('spec')}: {policy.get('note')}"
     return f"GPU memory policy {policy.get('spec')} on GPU(s) {', '.join(str(g['index']) for g in gpus)}"
-
 
 
 def _settle_key(version: ModelVersion) -> tuple:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from .. import __version__
-from ..access import Restriction, parse_restricted_api
-from ..errors import DetectError, ImageTooLarge, InferenceFailed, InvalidBody, NotReady, VersionNotFound
+from ..access import SHARED_MEMORY, Restriction, group_refusal, parse_restricted_api
+from ..errors import ClientGone, DetectError, ImageTooLarge, InferenceFailed, InvalidBody, NotReady, VersionNotFound
 from ..inference.detections import Detection, ModelOutputs, to_detections
 from ..inference.images import DecodedImage, decode_image
 from ..metrics import ServiceMetrics
@@ -84,7 +84,7 @@ class DataPlane:
 
     def __post_init__(self):
         self.restrictions = parse_restricted_api(self.settings.restricted_api)
-        self.shared_memory = SharedMemoryRegions()
+        self.shared_memory = SharedMemoryRegions(same_owner=self.settings.shared_memory_same_owner)
 
     name = SERVER_NAME
 
@@ -149,6 +149,7 @@ class DataPlane:
         started = time.perf_counter()
         request = context.current()
         timeline = request.timeline if request is not None else Timeline()
+        cancellation = request.cancellation if request is not None else None
         model.admit()  # holds the model loaded, and starts loading it if it is not, while the images decode
         if request is not None:
             request.ran = True
@@ -161,8 +162,10 @@ class DataPlane:
             load_s = model.wait_ready(deadline)
             if load_s > 0:
                 timeline.lap("load")
+            if cancellation is not None and cancellation.cancelled:
+                raise ClientGone("the client went away before its images reached the model")
             try:
-                outputs = model.detect_outputs([image.pixels for image in images], deadline, timeline)
+                outputs = model.detect_outputs([image.pixels for image in images], deadline, timeline, cancellation)
             except DetectError:
                 raise
             except Exception as exc:
@@ -192,6 +195,18 @@ class DataPlane:
             finally:
                 model.release()
         return model.signature
+
+    def shared_memory_region(self, name: str, where: str):
+        """Hold the registered region `name` for the current request (a context manager, app/protocol/shared_memory.py),
+        if its client may use shared memory: the same rule as registering one (the shared-memory group, loopback
+        only unless restricted_api grants it to a header); Forbidden otherwise, before the region is looked up,
+        so a client that may not use shared memory learns nothing of which names are registered."""
+        request = context.current()
+        client = request.client if request is not None else context.Client()
+        refused = group_refusal(SHARED_MEMORY, client.headers, client.address, self.restrictions)
+        if refused is not None:
+            raise refused
+        return self.shared_memory.use(name, where)
 
     def deadline(self, limit_s: Optional[float] = None) -> float:
         """A request's deadline (time.monotonic()): `limit_s`, or request_deadline_s, from now."""

@@ -5,6 +5,12 @@ by name (its key, an offset and a byte size), then names the region in an input'
 parameters (`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`): the server reads that
 input from the region and writes that output into it, so neither crosses the socket.
 
+Who may: registering, and naming a region in an inference request, are the same right, the shared-memory
+group's (loopback clients only unless restricted_api grants it to a header, app/access.py); the data plane
+checks it for every request that names a region (DataPlane.shared_memory_region). What may be registered: a
+regular file under /dev/shm owned by the server's own user (unless shared_memory_same_owner is off), so a
+client cannot have the server read or write, with its rights, an object another user made.
+
 `SharedMemoryRegions` is the one owner of the server's open regions, as Triton's shared-memory manager is: a
 region's object is opened once, at registration; each request that uses it holds it (`use`) until its answer
 is written; unregistering takes the name away at once, and the descriptor is closed when the last request
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,8 +35,14 @@ from ..errors import InvalidBody
 
 SHM_ROOT = "/dev/shm"  # where Linux keeps POSIX shared-memory objects: shm_open("/key") is SHM_ROOT/key
 MAX_REGIONS = 256
-_KEY = re.compile(r"^/?[A-Za-z0-9._-]{1,250}$")  # one POSIX shm name: no other slash, so no path outside SHM_ROOT
-_NAME = re.compile(r"^[^\x00-\x1f]{1,256}$")
+# One POSIX shm name: no other slash, so no path outside SHM_ROOT. Both are matched whole (re.fullmatch: a `$`
+# would let a trailing newline through).
+_KEY = re.compile(r"/?[A-Za-z0-9._-]{1,250}")
+# A region's name travels in HTTP paths (/v2/systemsharedmemory/region/<name>/...), so it has no slash, no space
+# and nothing that needs escaping there: the one rule for both doors, so a name registered over gRPC can be
+# read and unregistered over HTTP.
+_NAME = re.compile(r"[A-Za-z0-9._:@+-]{1,256}")
+NAME_RULE = "1 to 256 letters, digits and '.', '_', ':', '@', '+' or '-'"
 
 
 @dataclass(eq=False)
@@ -82,17 +95,18 @@ class Region:
 class SharedMemoryRegions:
     """The registered regions by name; the one owner of their mappings."""
 
-    def __init__(self, root: str = SHM_ROOT):
+    def __init__(self, root: str = SHM_ROOT, same_owner: bool = True):
         self._root = root
+        self._same_owner = same_owner  # refuse objects another user owns (shared_memory_same_owner)
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map [offset, offset + byte_size) of the shared-memory object `key` as region `name`; InvalidBody naming
-        what is wrong (a name taken, a key that does not exist, a span past the object's end)."""
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidBody("a shared-memory region needs a name: 1 to 256 printable characters")
-        if not isinstance(key, str) or not _KEY.match(key):
+        what is wrong (a name taken, a key that does not exist, an object that is not a regular file or that
+        another user owns, a span past the object's end)."""
+        check_name(name)
+        if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
             raise InvalidBody(f"the shared-memory key {str(key)[:60]!r} is not a POSIX shared-memory name "
                               "(\"/name\": letters, digits, '.', '_' and '-')")
         for what, value in (("offset", offset), ("byte_size", byte_size)):
@@ -108,18 +122,32 @@ class SharedMemoryRegions:
             if len(self._regions) >= MAX_REGIONS:
                 raise InvalidBody(f"{MAX_REGIONS} shared-memory regions are registered, the most this server holds")
             try:
-                descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                # Non-blocking: a FIFO made in /dev/shm must not hold this thread; it is refused below.
+                descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise InvalidBody(f"no shared-memory object has the key {key!r}: create it (shm_open) before "
                                   "registering it") from None
             except OSError as exc:
                 raise InvalidBody(f"the shared-memory object {key!r} cannot be opened: {exc.strerror}") from None
-            size = os.fstat(descriptor).st_size
-            if offset + byte_size > size:
+            try:
+                size = self._check_object(descriptor, key)  # of what was opened, not of the path: no race
+                if offset + byte_size > size:
+                    raise InvalidBody(f"offset {offset} and byte_size {byte_size} run past the end of shared-memory "
+                                      f"object {key!r}, which holds {size} bytes")
+            except InvalidBody:
                 os.close(descriptor)
-                raise InvalidBody(f"offset {offset} and byte_size {byte_size} run past the end of shared-memory "
-                                  f"object {key!r}, which holds {size} bytes")
+                raise
             self._regions[name] = Region(name, key, offset, byte_size, descriptor)
+
+    def _check_object(self, descriptor: int, key: str) -> int:
+        """Refuse an object that is not a regular file, or that another user owns (unless allowed); its size."""
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):
+            raise InvalidBody(f"the shared-memory object {key!r} is not a regular file")
+        if self._same_owner and found.st_uid != os.geteuid():
+            raise InvalidBody(f"the shared-memory object {key!r} belongs to user {found.st_uid}, not to the server's "
+                              f"user ({os.geteuid()}): only its own are registered (shared_memory_same_owner)")
+        return found.st_size
 
     def unregister(self, name: Optional[str] = None) -> None:
         """Take region `name` (every region when None) away; its descriptor closes once no request holds it. A name
@@ -137,6 +165,8 @@ class SharedMemoryRegions:
 
     def status(self, name: Optional[str] = None) -> list[dict]:
         """The registered regions (or the one named), as Triton lists them: name, key, offset, byte_size."""
+        if name is not None:
+            check_name(name)
         with self._lock:
             if name is not None and name not in self._regions:
                 raise InvalidBody(f"no shared-memory region named {name[:100]!r} is registered")
@@ -161,3 +191,9 @@ class SharedMemoryRegions:
     def close(self) -> None:
         """Unregister every region (at shutdown)."""
         self.unregister(None)
+
+
+def check_name(name) -> None:
+    """Refuse a region name outside the one rule both doors share (NAME_RULE), matched whole."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidBody(f"a shared-memory region's name must be {NAME_RULE}, not {str(name)[:60]!r}")

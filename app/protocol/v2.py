@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import json
 from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import BadRequest, InvalidBody, InvalidParameter
 from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT, stack_outputs
 from ..inference.images import DecodedImage
+from . import shared_tensors
 from .bodies import decode_base64
 from .plane import DataPlane, Run, image_answer, served_version
-from .v2_codec import InferRequest, Tensor, binary_data, tensor_bytes
+from .v2_codec import InferRequest, Tensor
 
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "parameters", "statistics",
               "system_shared_memory")
@@ -164,64 +165,26 @@ def infer(plane: DataPlane, model, parsed: InferRequest, deadline_within: Callab
     """Run one v2 inference request on `model`: options, signature, images, wanted outputs, run, output tensors.
 
     `deadline_within(timeout_s)` turns the request's timeout into its deadline (gRPC also heeds the client's);
-    `admit(model)` is the front door's own admission around the model's work (gRPC bounds its calls; the
-    HTTP site admits before the app runs).
+    `admit(model)` is the front door's admission around the model's work (app/protocol/admission.py: gRPC
+    admits each call here; the HTTP site admitted the request before the app ran). Tensors in shared memory are
+    checked before anything is read, and read only once admitted (app/protocol/shared_tensors.py).
     """
     options = request_options(parsed.parameters, plane.settings)
     deadline = deadline_within(options.timeout_s)
-    with ExitStack() as regions:  # the shared-memory regions the request names stay open until it is answered
-        parsed, placed_outputs = read_shared_memory(plane, parsed, regions)
+    with ExitStack() as regions:  # the shared-memory regions the request names stay held until it is answered
+        placed = shared_tensors.hold(plane, parsed, regions)
         with admit(model):
             signature = plane.signature_of(model, deadline)
+            images = shared_tensors.image_count(parsed)
+            if images is not None:
+                shared_tensors.check_output_rooms(placed, signature, images)
+            parsed = shared_tensors.read_inputs(parsed, placed)
             prepare = request_images(plane, parsed, model, signature)
             wanted = wanted_outputs(parsed, signature)
             run = plane.run_images(model, prepare, deadline)
         tensors = output_tensors(run, wanted, model.labels, options)
-        tensors = write_shared_memory(tensors, placed_outputs)
+        tensors = shared_tensors.write_outputs(tensors, placed)
     return Inferred(model.name, run.version, parsed.id, tensors)
-
-
-def read_shared_memory(plane: DataPlane, parsed: InferRequest, regions: ExitStack) -> tuple[InferRequest, dict]:
-    """Hold every shared-memory region the request names until it is answered (on `regions`): return the request
-    with each input that lies in one read from it, and, for each output to be written into one, its region and
-    place, checked now so that a bad one is refused before any model work."""
-    placed_outputs = {}
-    for output in parsed.outputs or ():
-        target = output.shared_memory
-        if target is not None:
-            where = f"output {output.name!r}"
-            region = regions.enter_context(plane.shared_memory.use(target.region, where))
-            region.check_span(target.offset, target.byte_size, where)
-            placed_outputs[output.name] = (region, target)
-    if not any(tensor.shared_memory is not None for tensor in parsed.inputs):
-        return parsed, placed_outputs
-    inputs = []
-    for tensor in parsed.inputs:
-        placed = tensor.shared_memory
-        if placed is not None:
-            where = f"input {tensor.name!r}"
-            region = regions.enter_context(plane.shared_memory.use(placed.region, where))
-            data = binary_data(memoryview(region.read(placed.offset, placed.byte_size, where)), tensor.datatype,
-                               tensor.shape, where)
-            tensor = replace(tensor, data=data)
-        inputs.append(tensor)
-    return replace(parsed, inputs=tuple(inputs)), placed_outputs
-
-
-def write_shared_memory(tensors: list[tuple[Tensor, bool]], placed_outputs: dict) -> list[tuple[Tensor, bool]]:
-    """Write each output the request asked for in shared memory into the region held for it; the answer names the
-    region and the bytes written there instead of carrying the data."""
-    if not placed_outputs:
-        return tensors
-    written = []
-    for tensor, binary in tensors:
-        if tensor.name in placed_outputs:
-            region, target = placed_outputs[tensor.name]
-            data = tensor_bytes(tensor)
-            region.write(target.offset, data, target.byte_size, f"output {tensor.name!r}")
-            tensor = replace(tensor, data=None, shared_memory=replace(target, byte_size=len(data)))
-        written.append((tensor, binary))
-    return written
 
 
 def check_named_model(parsed: InferRequest, name: str, version: Optional[str]) -> Optional[str]:
@@ -236,43 +199,43 @@ def check_named_model(parsed: InferRequest, name: str, version: Optional[str]) -
 
 def request_options(parameters: dict, settings) -> InferOptions:
     """Read the request's parameters as Triton treats them: those this server uses are checked (threshold,
-    max_detections, Triton's timeout in microseconds, priority), and a wrong value is refused naming it;
-    any other is accepted and ignored, as Triton passes it on to a backend that may not read it (its
-    clients add `triton_`-prefixed ones). A number may come as a string holding one (KServe's gRPC SDK
+    max_detections, Triton's timeout in microseconds, priority), each within its range, and a wrong value is
+    refused naming it; any other is accepted and ignored, as Triton passes it on to a backend that may not read
+    it (its clients add `triton_`-prefixed ones). A number may come as a string holding one (KServe's gRPC SDK
     can send no float)."""
     for key in SEQUENCE_PARAMETERS:
         if parameters.get(key) not in (None, 0, "", False):
             raise BadRequest("sequence batching is not implemented: every request stands alone; drop sequence_id")
-    threshold = _number(parameters, "threshold", settings.default_threshold, float)
-    if not 0.0 <= threshold <= 1.0:
-        raise InvalidParameter(f"the parameter threshold must be a number from 0 to 1, not {threshold!r:.40}")
-    limit = _number(parameters, "max_detections", DEFAULT_MAX_DETECTIONS, int)
-    if not 1 <= limit <= MAX_DETECTIONS_LIMIT:
-        raise InvalidParameter(f"the parameter max_detections must be an integer from 1 to {MAX_DETECTIONS_LIMIT}, "
-                               f"not {limit!r:.40}")
-    timeout_s = settings.request_deadline_s
-    timeout = _number(parameters, "timeout", 0, int)
-    if timeout < 0:
-        raise InvalidParameter("the parameter timeout must be a whole number of microseconds")
-    if timeout > 0:
-        timeout_s = min(timeout_s, timeout / 1e6)
-    _number(parameters, "priority", 0, int)
+    threshold = _number(parameters, "threshold", settings.default_threshold)
+    limit = _number(parameters, "max_detections", DEFAULT_MAX_DETECTIONS)
+    timeout = _number(parameters, "timeout", 0)
+    _number(parameters, "priority", 0)
+    # Triton's timeout is a uint64 of microseconds, 0 for none; any more than the server's own deadline is that.
+    timeout_s = settings.request_deadline_s if timeout == 0 else min(settings.request_deadline_s, timeout / 1e6)
     return InferOptions(float(threshold), limit, timeout_s)
 
 
-_REFUSALS = {"threshold": "a number from 0 to 1", "max_detections": f"an integer from 1 to {MAX_DETECTIONS_LIMIT}",
-             "timeout": "a whole number of microseconds", "priority": "an integer"}
+UINT64_MAX = 2**64 - 1
+# Each parameter this server reads: its type, its range, and how a refusal says so.
+_RANGES = {
+    "threshold": (float, 0.0, 1.0, "a number from 0 to 1"),
+    "max_detections": (int, 1, MAX_DETECTIONS_LIMIT, f"an integer from 1 to {MAX_DETECTIONS_LIMIT}"),
+    "timeout": (int, 0, UINT64_MAX, f"a whole number of microseconds, from 0 to {UINT64_MAX}"),
+    "priority": (int, 0, UINT64_MAX, f"an integer from 0 to {UINT64_MAX}"),
+}
 
 
-def _number(parameters: dict, key: str, default, kind: type):
-    """The parameter `key` as `kind` (int or float), from a number or a string holding one; `default` if absent."""
+def _number(parameters: dict, key: str, default):
+    """The parameter `key`, from a number or a string holding one, checked against its type and range
+    (_RANGES); `default` if absent. Anything else is InvalidParameter naming it, never an overflow later."""
+    kind, low, high, allowed = _RANGES[key]
     value = parameters.get(key, default)
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 40:  # a longer string holds no number this server takes
         with suppress(ValueError):  # a string that holds no number is refused below, as it was sent
             value = int(value.strip()) if kind is int else float(value.strip())
-    valid = type(value) is int if kind is int else type(value) in (int, float) and value == value  # not NaN
-    if not valid:
-        raise InvalidParameter(f"the parameter {key} must be {_REFUSALS[key]}, not {value!r:.40}")
+    valid = type(value) is int if kind is int else type(value) in (int, float)
+    if not valid or not low <= value <= high:  # NaN compares false, infinity is out of range
+        raise InvalidParameter(f"the parameter {key} must be {allowed}, not {value!r:.40}")
     return value
 
 

@@ -210,21 +210,31 @@ def check_shape(value, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def binary_data(data: memoryview, datatype: str, shape: tuple[int, ...], where: str = "the tensor") -> TensorData:
-    """Read a tensor's binary data: fixed-size elements, or BYTES as 4-byte little-endian lengths and bytes."""
+def check_binary_size(size: int, datatype: str, shape: tuple[int, ...], where: str = "the tensor",
+                      size_name: str = "binary_data_size") -> None:
+    """Refuse binary data of `size` bytes (the request's `size_name`) that the datatype and shape cannot be, before
+    a byte of it is read: fixed-size elements take exactly count x itemsize; BYTES elements at least their 4-byte
+    length prefixes."""
     count = element_count(shape)
     if datatype == "BYTES":
-        return _bytes_elements(data, count, where)
+        if count * 4 > size:
+            raise InvalidBody(f"{where} declares {count} BYTES elements, more than {size} bytes can hold")
+        return
     itemsize = np.dtype(NUMPY_TYPES[datatype]).itemsize
-    if count * itemsize != len(data):
+    if count * itemsize != size:
         raise InvalidBody(f"{where} is {datatype} of shape {list(shape)}: {count * itemsize} bytes, but "
-                          f"binary_data_size is {len(data)}")
+                          f"{size_name} is {size}")
+
+
+def binary_data(data: memoryview, datatype: str, shape: tuple[int, ...], where: str = "the tensor") -> TensorData:
+    """Read a tensor's binary data: fixed-size elements, or BYTES as 4-byte little-endian lengths and bytes."""
+    check_binary_size(len(data), datatype, shape, where)
+    if datatype == "BYTES":
+        return _bytes_elements(data, element_count(shape), where)
     return np.frombuffer(data, dtype=NUMPY_TYPES[datatype]).reshape(shape)
 
 
 def _bytes_elements(data: memoryview, count: int, where: str) -> list[bytes]:
-    if count * 4 > len(data):  # each element has at least its length prefix
-        raise InvalidBody(f"{where} declares {count} BYTES elements, more than {len(data)} bytes can hold")
     elements, offset = [], 0
     for i in range(count):
         if offset + 4 > len(data):

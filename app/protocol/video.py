@@ -13,21 +13,22 @@ video waits for its own frames to come back, or, with none out, for room, up to 
 that the stream ends with an error line (`overloaded`). A frame that fails (the model, a decoder error, a
 limit the header hid) ends the stream with an error line too; the frames answered before it stand.
 
-A client that goes away (`gone` is set by the front door) stops the run between frames and while it waits:
-decoding stops, its queued frames are cancelled (the batching threads skip them), and `close` gives the
-video, its decoder threads and the model back. Called in one request thread; a VideoRun is not shared.
+A client that goes away (the request's Cancellation, app/cancellation.py, cancelled by the front door) stops the
+run between frames and while it waits: decoding stops, its frames still queued leave the queue at once (the queue
+drops them, as it drops any gone client's images), and `close` gives the video, its decoder threads and the model
+back. Called in one request thread; a VideoRun is not shared.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional
 
+from ..cancellation import Cancellation
 from ..errors import AnswerCut, DetectError, InferenceFailed, Overloaded, RequestError
 from ..inference.detections import MAX_DETECTIONS_LIMIT, to_detections
 from ..vision.annotate import draw_detections
@@ -50,7 +51,7 @@ class VideoOptions:
     annotated: bool = False  # an MP4 with the boxes drawn, rather than NDJSON
 
 
-def start_video(plane, model, source: BinaryIO, options: VideoOptions, gone: threading.Event) -> "VideoRun":
+def start_video(plane, model, source: BinaryIO, options: VideoOptions, cancellation: Cancellation) -> "VideoRun":
     """Admit a video request to `model`, open and check the video in `source`, wait for the model; return the run.
 
     Raise the request's errors (the limits, a bad or truncated video, the model unavailable) before any answer
@@ -69,18 +70,18 @@ def start_video(plane, model, source: BinaryIO, options: VideoOptions, gone: thr
     except BaseException:
         model.release()
         raise
-    return VideoRun(plane, model, video, options, gone)
+    return VideoRun(plane, model, video, options, cancellation)
 
 
 class VideoRun:
     """One admitted video: stream it with `records` or `mp4`, then `close` it (idempotent)."""
 
-    def __init__(self, plane, model, video: VideoFile, options: VideoOptions, gone: threading.Event):
+    def __init__(self, plane, model, video: VideoFile, options: VideoOptions, cancellation: Cancellation):
         self._plane = plane
         self._model = model
         self._video = video
         self._options = options
-        self._gone = gone
+        self._cancellation = cancellation
         settings = plane.settings
         info = video.info
         fps = options.fps
@@ -125,7 +126,7 @@ class VideoRun:
         except _ClientGone:
             return
         except Exception as exc:
-            if self._gone.is_set():  # its body closed under the demuxer, or its frames cancelled: nobody reads on
+            if self._cancellation.cancelled:  # its body closed under the demuxer, its frames dropped: nobody reads on
                 return
             error = _as_request_error(exc, self._model.name)
             yield {"error": {"code": error.code, "message": error.message}, "frames": self._frames}
@@ -149,7 +150,7 @@ class VideoRun:
         except _ClientGone:
             return
         except Exception as exc:
-            if self._gone.is_set():
+            if self._cancellation.cancelled:
                 return
             error = _as_request_error(exc, self._model.name)
             log.warning("an annotated video on model %s ends early, after %d frames: %s", self._model.name,
@@ -185,7 +186,7 @@ class VideoRun:
                 self._check_gone()
                 try:
                     queued = model.queue.submit([frame.pixels], time.monotonic() + settings.request_deadline_s,
-                                                run_here=False)[0]
+                                                self._cancellation, run_here=False)[0]
                     break
                 except Overloaded:  # backpressure: give back what is ours first, else wait for room
                     if self._pending:
@@ -193,7 +194,7 @@ class VideoRun:
                     elif time.monotonic() > give_up:
                         raise
                     else:
-                        self._gone.wait(WAIT_STEP_S)
+                        time.sleep(WAIT_STEP_S)
             counter.inc()
             self._pending.append((frame, queued))
             while self._pending and (len(self._pending) >= self._window or self._pending[0][1].done()):
@@ -220,7 +221,7 @@ class VideoRun:
         return frame, outputs
 
     def _check_gone(self) -> None:
-        if self._gone.is_set():
+        if self._cancellation.cancelled:
             raise _ClientGone()
 
     def close(self) -> None:
@@ -234,7 +235,7 @@ class VideoRun:
         self._pending.clear()
         self._video.close()
         self._model.release()
-        outcome = "gone" if self._gone.is_set() and self._outcome != "complete" else self._outcome
+        outcome = "gone" if self._cancellation.cancelled and self._outcome != "complete" else self._outcome
         metrics = self._plane.metrics
         metrics.videos.labels(model=self._model.name, outcome=outcome).inc()
         metrics.statistics.observe_request(self._model.name, self._frames, {}, outcome == "complete")
