@@ -8,11 +8,13 @@ DetectError
 ├── NvmlUnavailable          NVML cannot be used: no driver, no library, or a failed call
 ├── MissingExtra             a command needs a package of an install extra that is not installed (exit 2)
 ├── WorkerLost               a model's worker process ended while a call was on it (retried, never sent)
+├── AnswerCut                a streamed answer under way cannot be finished: the connection is closed
 └── RequestError             something about one request; has an HTTP status
     ├── BadRequest           400
     │   ├── InvalidParameter     a query parameter is out of range or malformed
     │   ├── InvalidBody          JSON or base64 that does not parse, a missing field
     │   ├── InvalidImage         bytes that do not decode as an image
+    │   ├── InvalidVideo         a body that is not a video taken, a truncated one, or a decoder that fails
     │   └── Unimplemented        a protocol extension or method this server does not implement (gRPC UNIMPLEMENTED)
     ├── NotFound             404
     │   ├── ModelNotFound        no model of that name in the repository
@@ -20,12 +22,14 @@ DetectError
     ├── MethodNotAllowed     405
     ├── PayloadTooLarge      413
     │   ├── BodyTooLarge         the request body is over max_body_bytes
-    │   └── ImageTooLarge        the image header declares more than max_image_pixels
+    │   ├── ImageTooLarge        the image header declares more than max_image_pixels
+    │   └── VideoTooLarge        a video over max_video_bytes, max_video_s or max_video_frames
     ├── HeaderTooLarge       431: a request line or header line over Twisted's limit
     ├── UnsupportedMediaType 415
     │   ├── UnsupportedContentType   a Content-Type /detect does not take
     │   ├── UnsupportedContentEncoding  a Content-Encoding other than gzip, deflate or identity
-    │   └── UnsupportedImageFormat   an image format outside the decoder allowlist
+    │   ├── UnsupportedImageFormat   an image format outside the decoder allowlist
+    │   └── UnsupportedVideoFormat   a container or codec outside the video allowlist
     ├── InferenceFailed      500
     ├── InternalError        500: a bug; the cause is logged, never sent
     ├── LoadFailed           400: a load by request failed (the model folder is bad)
@@ -93,6 +97,13 @@ class WorkerLost(DetectError):
     code = "worker_lost"
 
 
+class AnswerCut(DetectError):
+    """A streamed answer already under way (an annotated video) cannot be finished; the HTTP gateway closes the
+    connection without its last chunk, so that the client sees the answer incomplete, not shorter and whole."""
+
+    code = "answer_cut"
+
+
 class RequestError(DetectError):
     """Something about one request; HTTP_STATUS maps it to a status."""
 
@@ -126,6 +137,12 @@ class InvalidImage(BadRequest):
     """The bytes do not decode as an image."""
 
     code = "invalid_image"
+
+
+class InvalidVideo(BadRequest):
+    """The body is not a video this server takes (MP4, MOV, MKV, WebM), is truncated, or fails to decode."""
+
+    code = "invalid_video"
 
 
 class NotFound(RequestError):
@@ -176,6 +193,12 @@ class ImageTooLarge(PayloadTooLarge):
     code = "image_too_large"
 
 
+class VideoTooLarge(PayloadTooLarge):
+    """A video is over max_video_bytes, longer than max_video_s, or has more frames than max_video_frames."""
+
+    code = "video_too_large"
+
+
 class HeaderTooLarge(RequestError):
     """A request line or one header line is over the limit."""
 
@@ -204,6 +227,12 @@ class UnsupportedImageFormat(UnsupportedMediaType):
     """An image format outside the decoder allowlist."""
 
     code = "unsupported_image_format"
+
+
+class UnsupportedVideoFormat(UnsupportedMediaType):
+    """A known format that is not a video taken here, or a video codec outside the decoder allowlist."""
+
+    code = "unsupported_video_format"
 
 
 class InferenceFailed(RequestError):

@@ -79,6 +79,11 @@ class ServiceMetrics:
         self.model_load_seconds = Histogram("detect_model_load_seconds", "From the budget had for a load to ready "
                                             "(a wait for room is not counted).", ("model",), buckets=LOAD_BUCKETS,
                                             registry=r)
+        # Video (POST /detect/video): frames run through the model, and each video's end.
+        self.video_frames = Counter("detect_video_frames", "Video frames decoded and sent to the model.", ("model",),
+                                    registry=r)
+        self.videos = Counter("detect_videos", "Videos answered, by how they ended: complete, error (an error line "
+                              "or a cut MP4) or gone (the client went away).", ("model", "outcome"), registry=r)
         if gpu_report is not None:
             r.register(_GpuMemoryCollector(gpu_report))
 

@@ -276,6 +276,31 @@ class Settings:
     body_timeout_s: float = _setting(
         30.0, _float_in(0.5, 3600.0), "close a connection whose body takes longer than this to arrive (s)"
     )
+    # Video (POST /detect/video, the `video` extra): each video is refused whole, before it is decoded, when a limit
+    # is passed. 100 MiB and 10 minutes hold a phone's 1080p clip of a few minutes; 18000 frames: 10 minutes at 30 fps.
+    max_video_bytes: int = _setting(
+        100 * 2**20, _bytes_in(1024, 2**36),
+        "largest video body, streamed to a temporary file as it arrives (bytes, or 100MiB)"
+    )
+    max_video_s: float = _setting(600.0, _float_in(0.1, 86400.0), "longest video, first frame to last (s)")
+    max_video_frames: int = _setting(
+        18000, _int_in(1, 10_000_000), "most frames a video may hold, sampled or not (each is decoded)"
+    )
+    max_video_fps: float = _setting(
+        30.0, _float_in(0.1, 240.0), "most frames per second of video sent to the model; the fps a request asks for is "
+        "at most this (default: every frame up to this rate)"
+    )
+    # 32: two batches of 16, so a lone video keeps both inference threads' calls full while another client's image
+    # waits behind at most two calls.
+    video_frames_in_flight: int = _setting(
+        32, _int_in(1, 1024), "frames of one video in the model's queue or its calls at once"
+    )
+    video_decoder_threads: int = _setting(2, _int_in(1, 16), "FFmpeg decoding threads per video")
+    # 16: an eighth of http_threads' 128, so that videos, each holding a request thread for as long as it lasts,
+    # leave the rest to images.
+    max_video_streams: int = _setting(
+        16, _int_in(1, 1024), "videos answered at once (each also counts in http_threads); beyond, 503 with Retry-After"
+    )
     # Model workers: their budget, their lifecycle and their supervision.
     gpu_total_mib: int = _setting(
         0, _int_in(0, 2**24), "GPU memory per GPU the budget may fill (MiB; 0: each GPU's total from NVML)"
@@ -386,6 +411,8 @@ SETTING_GROUPS = (
                              "decode_at_model_size")),
     ("Scheduling: batching, concurrency, admission", ("max_batch_size", "max_batch_delay_ms", "inference_threads",
                                                       "max_queue", "http_threads", "request_deadline_s")),
+    ("Video", ("max_video_bytes", "max_video_s", "max_video_frames", "max_video_fps", "video_frames_in_flight",
+               "video_decoder_threads", "max_video_streams")),
     ("Connections and shutdown", ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_streams",
                                   "max_watches", "shutdown_grace_s")),
     ("Access", ("restricted_api", "shared_memory_same_owner", "cors_origins")),

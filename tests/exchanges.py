@@ -144,6 +144,8 @@ def normalize_headers(headers: list[tuple[str, str]], body_normalized: bool) -> 
     def value_of(name: str, value: str) -> str:
         if name in varying:
             return PLACEHOLDER
+        if name == "detections":  # a picture answer's JSON answer, with its timings
+            return json.dumps(normalize_json(json.loads(value), ""), separators=(",", ":"))
         return ", ".join(sorted(v.strip() for v in value.split(","))) if name == "allow" else value
 
     return sorted([name.lower(), value_of(name.lower(), value)] for name, value in headers)
@@ -217,6 +219,9 @@ def _body(headers: dict, data: bytes, model_base: str) -> dict:
             normalized = normalize_json(header[0], model_base)
             return {"json_header": normalized, "layout": header[1], "binary_base64": b64(data[split:]),
                     "normalized": normalized != header[0]}
+    if kind.startswith("application/x-ndjson"):  # a video's records, one JSON document a line
+        return {"ndjson": [normalize_json(json.loads(line), model_base) for line in data.splitlines() if line],
+                "normalized": True}
     if "json" in kind:
         parsed = _json_layout(data)
         if parsed is not None:
@@ -380,6 +385,9 @@ def http_exchanges() -> list[dict]:
     multipart_none, multipart_none_headers = _multipart([("file", PNG)])
     binary_body, binary_headers = _binary_infer(batch, ["num_detections", "detection_boxes"])
     v2_bytes = {"name": "image", "shape": [2], "datatype": "BYTES", "data": [b64(PNG), b64(BLUE_PNG)]}
+    from videos_for_tests import make_video  # PyAV, the video extra, in the test extra
+
+    video = make_video(frames=6, size=(32, 24))
     return [
         # The page and its files
         http_exchange("page", "GET", "/"),
@@ -426,6 +434,16 @@ def http_exchanges() -> list[dict]:
         http_exchange("detect bad max_detections", "POST", "/detect?max_detections=0", PNG,
                       {"Content-Type": "image/png"}),
         http_exchange("detect unknown parameter", "POST", "/detect?colour=red", PNG, {"Content-Type": "image/png"}),
+        # Pictures with their boxes drawn, and video (issue 44)
+        http_exchange("detect picture png", "POST", "/detect?format=png", PNG, {"Content-Type": "image/png"}),
+        http_exchange("detect picture by accept", "POST", "/detect?max_side=16", PNG,
+                      {"Content-Type": "image/png", "Accept": "image/jpeg"}),
+        http_exchange("detect picture of a list", "POST", "/detect?format=jpeg", _json({"images": [b64(PNG)]}), JSON),
+        http_exchange("detect video", "POST", "/detect/video", video, {"Content-Type": "video/mp4"}),
+        http_exchange("detect video named", "POST", f"/models/{MODEL}/detect/video?fps=10&threshold=0.2", video,
+                      {"Content-Type": "video/mp4"}),
+        http_exchange("detect video not a video", "POST", "/detect/video", b"not a video", {"Content-Type": "video/mp4"}),
+        http_exchange("detect video bad fps", "POST", "/detect/video?fps=0", video, {"Content-Type": "video/mp4"}),
         http_exchange("detect body too large", "POST", "/detect", headers={"Content-Type": "image/png"},
                       fill=MAX_BODY_BYTES + 1),
         http_exchange("detect method not allowed", "GET", "/detect"),

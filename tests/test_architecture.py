@@ -19,7 +19,7 @@ APP = ROOT / "app"
 LAYERS = {
     "app": 0, "app.errors": 0, "app.access": 0, "app.timeline": 0, "app.process": 0, "app.supervision": 0,
     "app.cancellation": 0,
-    "app.gpu": 1, "app.inference": 1, "app.metrics": 1,
+    "app.gpu": 1, "app.inference": 1, "app.vision": 1, "app.metrics": 1,
     "app.settings": 2,
     "app.models": 3,
     "app.protocol": 4,

@@ -161,7 +161,7 @@ def test_the_pages_a_newcomer_copies_from_have_runnable_examples():
 
 def test_every_route_has_a_curl_example_that_the_tests_run():
     run = "".join(block.body for block in ALL_BLOCKS)
-    for route in ("/detect", "/models/shapes/detect", "/models/shapes", "/gpu", "/gpu/history", "/healthz", "/readyz",
+    for route in ("/detect", "/models/shapes/detect", "/detect/video", "/models/shapes/detect/video", "/models/shapes", "/gpu", "/gpu/history", "/healthz", "/readyz",
                   "/metrics", "/v2/repository/index", "/v2/repository/models/shapes/unload", "/v1/models/shapes:predict"):
         assert f"localhost:8000{route}" in run, f"no runnable curl example for {route}"
 

@@ -261,7 +261,7 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
     from twisted.internet import reactor
     from twisted.python.threadpool import ThreadPool
 
-    from ..protocol.admission import INFERENCE, Admission
+    from ..protocol.admission import INFERENCE, VIDEO, Admission
     from .site import DetectSite, ProbeFirstRoot
     from .wsgi import TimedWSGIResource, whole_body_input
 
@@ -289,7 +289,7 @@ def _site(settings: Settings, app, registry, metrics, lifecycle):
 
     admission = Admission("http", settings, lifecycle,
                           on_idle_end=lambda kind: metrics.observe_idle_end("http", kind))
-    metrics.watch_open_calls(admission, [INFERENCE])
+    metrics.watch_open_calls(admission, [INFERENCE, VIDEO])
     site = DetectSite(ProbeFirstRoot(*resources), settings, lifecycle, admission, on_refused=refused,
                       find_model=find_model, on_stages=metrics.observe_stages)
     metrics.watch_in_flight(lambda: site.in_flight)

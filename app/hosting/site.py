@@ -17,10 +17,10 @@ from urllib.parse import unquote_to_bytes
 from twisted.internet import defer, task
 from twisted.web import http, resource, server
 
-from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, RequestError, http_status
+from ..errors import BodyTooLarge, HeaderTooLarge, NotReady, RequestError, VideoTooLarge, http_status
 from ..http.errors import ErrorAnswer, error_answer
-from ..http.paths import Target, inference_target, protocol_of
-from ..protocol.admission import INFERENCE, Admission
+from ..http.paths import VIDEO_ROUTES, Target, inference_target, is_video, protocol_of
+from ..protocol.admission import INFERENCE, VIDEO, Admission
 from ..settings import Settings
 from ..timeline import TIMELINE_KEY, Timeline
 from . import listening
@@ -66,10 +66,14 @@ class DetectRequest(server.Request):
     _rejected = False
     _received = 0
     _started = 0.0
+    _limit = 0
+    _video = False  # a video route: its body may be up to max_video_bytes
 
     def gotLength(self, length):
         self._started = time.monotonic()
-        limit = self.channel.site.settings.max_body_bytes
+        settings = self.channel.site.settings
+        self._video = is_video(getattr(self.channel, "_path", b"").split(b"?", 1)[0].decode("latin-1", "replace"))
+        self._limit = limit = settings.max_video_bytes if self._video else settings.max_body_bytes
         if length is not None and length > limit:
             self._reject(f"the request body is {length} bytes, over the limit of {limit} bytes")
             return
@@ -82,7 +86,7 @@ class DetectRequest(server.Request):
 
     def handleContentChunk(self, data):
         self._received += len(data)
-        limit = self.channel.site.settings.max_body_bytes
+        limit = self._limit
         if self._rejected:
             # Read and drop the rest, so a client still sending sees our 413 rather than a reset;
             # past the discard allowance, stop reading.
@@ -111,8 +115,8 @@ class DetectRequest(server.Request):
                 self._refuse(admitted, protocol_of(path))
                 return
             # Counted out when its WSGI job ends (app/hosting/wsgi.py), not when its connection does: a client that
-            # hangs up does not free the thread its request still holds.
-            self.admission_ticket = admitted
+            # hangs up does not free the thread its request still holds, nor a video the decoder it still runs.
+            self.admission_tickets = admitted
         site.in_flight += 1
         # notifyFinish fires on finish or on a lost connection; Twisted's own log call runs only on
         # finish, which a client that has read its whole answer and hung up can beat.
@@ -136,7 +140,8 @@ class DetectRequest(server.Request):
         self._rejected = True
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
         path = getattr(self.channel, "_path", b"").split(b"?", 1)[0].decode("latin-1", "replace")
-        self.channel.transport.write(raw_answer(error_answer(BodyTooLarge(message), protocol_of(path))))
+        error = VideoTooLarge(f"{message} (max_video_bytes)") if self._video else BodyTooLarge(message)
+        self.channel.transport.write(raw_answer(error_answer(error, protocol_of(path))))
         access_log.info("%s %s 413 (body over limit, refused while receiving)",
                         getattr(self.channel, "_command", b"-").decode("latin-1"),
                         getattr(self.channel, "_path", b"-").decode("latin-1", "replace")[:200])
@@ -276,14 +281,22 @@ class DetectSite(server.Site):
         return self.admission.open_calls(INFERENCE)
 
     def admit_inference(self, target: Target):
-        """Admit an inference request (its admission's Ticket, to leave when it is done), or return the error that
-        refuses it. While the server drains, only requests accepted before finish; probes still reach the app."""
+        """Admit an inference request: its admission's Tickets, to leave when it is done (a video's as an inference
+        request, which holds a WSGI thread, and as a video, against max_video_streams), or the error that refuses
+        it. While the server drains, only requests accepted before finish; probes still reach the app."""
+        kinds = [INFERENCE, VIDEO] if target.route in VIDEO_ROUTES else [INFERENCE]
+        tickets = []
         try:
-            return self.admission.enter(INFERENCE, self._find_model(target.model))
+            for kind in kinds:
+                tickets.append(self.admission.enter(kind, self._find_model(target.model) if kind == INFERENCE
+                                                    else None))
         except RequestError as refusal:
+            for ticket in tickets:
+                ticket.leave()
             if self._on_refused is not None:
                 self._on_refused(target.route, http_status(refusal), target.model)
             return refusal
+        return tickets
 
     def request_done(self, result, request) -> None:
         """Count a request out of flight, record its stages and log it; swallows the client-went-away failure."""

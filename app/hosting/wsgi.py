@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 from twisted.web import http, resource, server
 
 from ..cancellation import CANCELLATION_KEY, Cancellation
+from ..errors import AnswerCut
 from ..timeline import RECEIVED_KEY
 
 WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
@@ -138,15 +139,14 @@ class WholeAnswer:
         """In a WSGI thread: call the app, then hand its whole answer, or its failure, to the I/O thread.
 
         A request whose client went away while it waited for this thread is not run at all. An inference request
-        is counted out of its admission (the site's ticket) when this ends, not when its connection does: until
+        is counted out of its admission (the site's tickets) when this ends, not when its connection does: until
         then it holds this thread."""
         try:
             if self.environ[CANCELLATION_KEY].cancelled:
                 return
             self._run_app()
         finally:
-            ticket = getattr(self.request, "admission_ticket", None)
-            if ticket is not None:
+            for ticket in getattr(self.request, "admission_tickets", ()):
                 ticket.leave()
 
     def _run_app(self) -> None:
@@ -162,6 +162,9 @@ class WholeAnswer:
                 close = getattr(answer, "close", None)
                 if close is not None:
                     close()
+        except AnswerCut as cut:  # a stream that cannot be finished: cut it, so the client sees it incomplete
+            self._log.info("a streamed answer was cut short: {why}", why=cut.message)
+            self.reactor.callFromThread(self._cut)
         except BaseException:
             self.reactor.callFromThread(self._failed, self.started, *sys.exc_info())
         else:
@@ -193,6 +196,11 @@ class WholeAnswer:
         if body:
             self.request.write(body)
         self.request.finish()
+
+    def _cut(self) -> None:
+        """In the I/O thread: close the connection of an answer under way, without its last chunk."""
+        if not self.finished:
+            self.request.loseConnection()
 
     def _failed(self, started, kind, value, traceback) -> None:
         """In the I/O thread: log the app's exception (it never should raise: it answers every error), answer 500."""
@@ -264,6 +272,17 @@ class InputStream:
 
     def __iter__(self):
         return iter(self._content)
+
+    # Beyond PEP 3333: the body is whole (in memory, or spooled to a temporary file by Twisted), so a route that
+    # needs to seek in it (a video's demuxer) reads it in place rather than copying it.
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._content.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._content.tell()
 
 
 class ErrorStream:

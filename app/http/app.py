@@ -31,12 +31,13 @@ def create_app(data_plane: DataPlane) -> Flask:
     from .v1 import routes as v1_routes
     from .v2 import routes as v2_routes
     from .page import routes as page_routes
+    from .video import routes as video_routes
 
     app = Flask(__name__, static_folder=None)  # the page serves its own files, by name (app/http/page.py)
     app.config["MAX_CONTENT_LENGTH"] = data_plane.settings.max_body_bytes
     app.json.sort_keys = False
     app.extensions[EXTENSION] = data_plane
-    for blueprint in (detect_routes, model_routes, ops_routes, v2_routes, v1_routes, openapi_routes, page_routes):
+    for blueprint in (detect_routes, video_routes, model_routes, ops_routes, v2_routes, v1_routes, openapi_routes, page_routes):
         app.register_blueprint(blueprint)
     app.register_error_handler(RequestError, _request_error)
     app.register_error_handler(HTTPException, _http_exception)
@@ -55,7 +56,7 @@ def error_response(error: RequestError, extra_headers=()) -> Response:
     return Response(answer.body, status=answer.status, headers=list(answer.headers))
 
 
-ROUTES_HINT = ("/ (the page), /detect, /models, /models/<name>/detect, /gpu, /healthz, /readyz, /metrics, /openapi.json, "
+ROUTES_HINT = ("/ (the page), /detect, /detect/video, /models, /models/<name>/detect, /models/<name>/detect/video, /gpu, /healthz, /readyz, /metrics, /openapi.json, "
                "/v2/... (KServe v2), /v1/models/... (TF Serving)")
 
 

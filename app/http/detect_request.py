@@ -13,6 +13,8 @@ from ..protocol.bodies import decode_base64
 
 __all__ = ["DEFAULT_MAX_DETECTIONS", "MAX_DETECTIONS_LIMIT", "decode_base64"]  # re-exported for the tests
 
+PICTURE_FORMATS = ("jpeg", "png")  # an answer drawn on the image (app/vision/annotate.py)
+MAX_SIDE_LIMIT = 8192  # the largest max_side a client may ask for (px)
 RAW_IMAGE_TYPES = ("image/jpeg", "image/jpg", "image/png", "image/webp", "image/bmp", "image/x-ms-bmp", "image/gif")
 
 
@@ -23,23 +25,48 @@ class DetectParams:
     threshold: float
     max_detections: int
     stages: bool = False  # timing=stages: timing_ms also says where the time went, stage by stage
+    picture: Optional[str] = None  # "jpeg" or "png": answer the image with its boxes drawn; None: JSON
+    max_side: int = 0  # the picture's longest side at most this (px); 0: the image's own size
 
 
-def parse_params(args, default_threshold: float) -> DetectParams:
-    """Parse `threshold` (0..1), `max_detections` (1..1000) and `timing` (stages) from a mapping of query strings."""
-    unknown = sorted(set(args) - {"threshold", "max_detections", "timing"})
+def parse_params(args, default_threshold: float, accepted: str = "json") -> DetectParams:
+    """Parse `threshold` (0..1), `max_detections` (1..1000), `timing` (stages), `format` (json, jpeg, png; else
+    `accepted`, what the Accept header prefers) and `max_side` from a mapping of query strings."""
+    unknown = sorted(set(args) - {"threshold", "max_detections", "timing", "format", "max_side"})
     if unknown:
-        raise InvalidParameter(f"unknown query parameter {unknown[0]!r}; /detect takes threshold, max_detections "
-                               "and timing")
+        raise InvalidParameter(f"unknown query parameter {unknown[0]!r}; /detect takes threshold, max_detections, "
+                               "timing, format and max_side")
     timing = args.get("timing")
     if timing not in (None, "stages"):
         raise InvalidParameter(f"timing must be 'stages' (timing_ms then breaks the time down by stage), not "
                                f"{timing[:40]!r}")
+    kind = args.get("format", accepted)
+    if kind not in ("json", *PICTURE_FORMATS):
+        raise InvalidParameter(f"format must be json, jpeg or png (the image with its boxes drawn), not {kind[:40]!r}")
+    picture = None if kind == "json" else kind
+    max_side = parse_whole(args.get("max_side"), "max_side", 16, MAX_SIDE_LIMIT, default=0)
+    if max_side and picture is None:
+        raise InvalidParameter("max_side sizes the picture of an answer drawn on the image: ask for format=jpeg or "
+                               "png (or Accept: image/jpeg)")
     return DetectParams(
         threshold=parse_threshold(args.get("threshold"), default_threshold),
         max_detections=parse_max_detections(args.get("max_detections")),
         stages=timing == "stages",
+        picture=picture,
+        max_side=max_side,
     )
+
+
+def parse_whole(raw: Optional[str], name: str, lo: int, hi: int, default: int) -> int:
+    """Parse a whole number from `lo` to `hi` from a query string; `default` when it is absent."""
+    if raw is None:
+        return default
+    text = raw.strip()
+    digits = text.lstrip("0")
+    # The length check keeps int() off a 10,000-digit string.
+    if not (text.isascii() and text.isdigit() and len(digits) <= len(str(hi)) and lo <= int(digits or "0") <= hi):
+        raise InvalidParameter(f"{name} must be a whole number from {lo} to {hi}, not {raw[:40]!r}")
+    return int(digits)
 
 
 def parse_threshold(raw: Optional[str], default: float) -> float:

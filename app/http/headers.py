@@ -2,7 +2,7 @@
 
 The page (app/http/page.py) loads its script, style and data from this origin alone, so the policy
 allows nothing else: no inline script or style, no other host, no framing. Images the user picks are
-shown from `blob:` URLs the page makes itself. The API sends no CORS headers unless `cors_origins`
+shown from `blob:` URLs the page makes itself, and so is a video file it plays back with its tracks. The API sends no CORS headers unless `cors_origins`
 lists the calling page's origin; then that origin (never `*`) may call it, preflight included.
 Answers the Twisted site writes itself (overload, shutdown, an over-long body) carry the same
 security headers through error_answer.
@@ -17,6 +17,7 @@ CONTENT_SECURITY_POLICY = "; ".join((
     "script-src 'self'",
     "style-src 'self'",
     "img-src 'self' blob:",
+    "media-src 'self' blob:",
     "connect-src 'self'",
     "object-src 'none'",
     "base-uri 'none'",
@@ -58,7 +59,7 @@ def install_headers(app: Flask, cors_origins: tuple[str, ...]) -> None:
             origin = request.headers.get("Origin")
             if origin in allowed:
                 response.headers["Access-Control-Allow-Origin"] = origin
-                response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+                response.headers["Access-Control-Expose-Headers"] = "Retry-After, Detections"
         return response
 
     app.before_request(preflight)

@@ -11,6 +11,8 @@ from flask import Blueprint, jsonify
 from ..inference.detections import DEFAULT_MAX_DETECTIONS, MAX_DETECTIONS_LIMIT
 from ..protocol.plane import SERVER_NAME, server_version
 from ..protocol.v2_codec import DATATYPES, HEADER_LENGTH
+from ..vision.video import VIDEO_TYPES
+from .detect_request import MAX_SIDE_LIMIT
 from .plane import plane
 
 routes = Blueprint("openapi", __name__)
@@ -80,6 +82,23 @@ def _schemas() -> dict:
             "box": {"type": "object", "required": ["x_min", "y_min", "x_max", "y_max"], "properties": {
                 k: number for k in ("x_min", "y_min", "x_max", "y_max")},
                 "description": "pixels of the image as displayed (EXIF orientation applied)"}}},
+        "TrackedDetection": {"allOf": [_ref("Detection"), {"type": "object", "required": ["track_id"], "properties": {
+            "track_id": {"type": ["integer", "null"], "description": "the object's identity in this video, from 1; "
+                         "null while its track is not yet confirmed (its first frame)"}}}]},
+        "VideoRecord": {"description": "one line of the NDJSON answer: the video first, then a record per sampled "
+                        "frame, then the end, or an error that ends the stream", "oneOf": [
+            {"type": "object", "required": ["video"], "properties": {"video": {"type": "object", "properties": {
+                "model": {"type": "object"}, "container": string, "codec": string, "width": integer,
+                "height": integer, "fps": number, "duration_s": number, "frames": integer, "sampled_fps": number}}}},
+            {"type": "object", "required": ["frame", "time_s", "detections"], "properties": {
+                "frame": {"type": "integer", "description": "the frame's index in the video, from 0"},
+                "time_s": {"type": "number", "description": "from the first frame"},
+                "detections": {"type": "array", "items": _ref("TrackedDetection")}}},
+            {"type": "object", "required": ["end"], "properties": {"end": {"type": "object", "properties": {
+                "frames": integer, "tracks": integer, "timing_ms": {"type": "object"}}}}},
+            {"type": "object", "required": ["error", "frames"], "properties": {
+                "error": {"type": "object", "properties": {"code": string, "message": string}},
+                "frames": {"type": "integer", "description": "the frames answered before it"}}}]},
         "ImageResult": {"type": "object", "required": ["width", "height", "detections"], "properties": {
             "width": integer, "height": integer, "detections": {"type": "array", "items": _ref("Detection")}}},
         "DetectAnswer": {"type": "object", "required": ["model", "timing_ms"], "properties": {
@@ -189,6 +208,12 @@ def document(model_names: list[str], version: str, title: str) -> dict:
                         f"{DEFAULT_MAX_DETECTIONS}, at most {MAX_DETECTIONS_LIMIT})"},
         {"name": "timing", "in": "query", "schema": {"type": "string", "enum": ["stages"]},
          "description": "stages: timing_ms.stages breaks the time down by stage (the metrics reference lists them)"},
+        {"name": "format", "in": "query", "schema": {"type": "string", "enum": ["json", "jpeg", "png"]},
+         "description": "jpeg or png: answer the image with its boxes drawn (one image), the JSON answer in the "
+                        "Detections header; default: what the Accept header prefers, else json"},
+        {"name": "max_side", "in": "query", "schema": {"type": "integer", "minimum": 16, "maximum": MAX_SIDE_LIMIT},
+         "description": "with a picture answer: its longest side at most this many pixels (default: the image's "
+                        "own size)"},
     ]
     detect_body = {"required": True, "content": {
         **{kind: {"schema": binary} for kind in IMAGE_TYPES},
@@ -198,8 +223,30 @@ def document(model_names: list[str], version: str, title: str) -> dict:
             "image": {"type": "string", "description": "base64"},
             "images": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
             "oneOf": [{"required": ["image"]}, {"required": ["images"]}]}}}}
+    answered = {"description": "labelled boxes in pixels; or, asked for (format, Accept), the image with its boxes "
+                               "drawn, upright, in each class's colour",
+                "headers": {"Detections": {"description": "with a picture answer: the JSON answer, up to 12 KiB "
+                                                          "(beyond, the surest detections that fit and "
+                                                          "detections_omitted)", "schema": {"type": "string"}}},
+                "content": {"application/json": {"schema": _ref("DetectAnswer")},
+                            "image/jpeg": {"schema": binary}, "image/png": {"schema": binary}}}
     detect = {"tags": ["detect"], "parameters": query, "requestBody": detect_body,
-              "responses": {"200": _json(_ref("DetectAnswer"), "labelled boxes in pixels"), **detect_errors}}
+              "responses": {"200": answered, **detect_errors}}
+    video_query = [
+        query[0], query[1],
+        {"name": "fps", "in": "query", "schema": {"type": "number", "exclusiveMinimum": 0},
+         "description": "frames per second to sample, at most max_video_fps (default: every frame up to that rate)"},
+        {"name": "format", "in": "query", "schema": {"type": "string", "enum": ["ndjson", "mp4"]},
+         "description": "ndjson: a record per line; mp4: the video with its boxes and track ids drawn; default: what "
+                        "the Accept header prefers (video/mp4), else ndjson"},
+    ]
+    video = {"tags": ["detect"], "parameters": video_query,
+             "requestBody": {"required": True, "description": "the video file: MP4, MOV, MKV or WebM, up to "
+                             "max_video_bytes", "content": {kind: {"schema": binary} for kind in VIDEO_TYPES}},
+             "responses": {"200": {"description": "streamed as the frames come back: NDJSON records, or a fragmented "
+                                                  "MP4 (H.264); every limit and bad video is refused before it starts",
+                                   "content": {"application/x-ndjson": {"schema": _ref("VideoRecord")},
+                                               "video/mp4": {"schema": binary}}}, **detect_errors}}
     def health(key: str, name: bool = False) -> dict:
         body = {"type": "object", "required": [key], "properties": {
             key: {"type": "boolean"}, **({"name": {"type": "string"}} if name else {})}}
@@ -247,6 +294,9 @@ def document(model_names: list[str], version: str, title: str) -> dict:
         "/detect": {"post": {**detect, "summary": "detect objects with the default model"}},
         "/models/{name}/detect": {"post": {**detect, "summary": "detect objects with a named model",
                                            "parameters": [name, *query]}},
+        "/detect/video": {"post": {**video, "summary": "track objects through a video with the default model"}},
+        "/models/{name}/detect/video": {"post": {**video, "summary": "track objects through a video with a named "
+                                                 "model", "parameters": [name, *video_query]}},
         "/models": {"get": {"tags": ["models"], "summary": "every model: state, versions, worker, memory",
                             "responses": {"200": _json({"type": "object", "required": ["models", "spares"],
                                                         "properties": {

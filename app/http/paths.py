@@ -23,6 +23,8 @@ class Target(NamedTuple):
 _INFERENCE = (  # each route as the app's rule names it, for the request metrics
     ("/detect", re.compile(r"^/detect$")),
     ("/models/<name>/detect", re.compile(r"^/models/(?P<name>[^/]+)/detect$")),
+    ("/detect/video", re.compile(r"^/detect/video$")),
+    ("/models/<name>/detect/video", re.compile(r"^/models/(?P<name>[^/]+)/detect/video$")),
     ("/v2/models/<name>/infer", re.compile(r"^/v2/models/(?P<name>[^/]+)/infer$")),
     ("/v2/models/<name>/versions/<version>/infer", re.compile(r"^/v2/models/(?P<name>[^/]+)/versions/[^/]+/infer$")),
     ("/v1/models/<name>:predict", re.compile(r"^/v1/models/(?P<name>[^/]+):predict$")),
@@ -50,3 +52,12 @@ def inference_target(path: str) -> Optional[Target]:
         if found:
             return Target(route, found.groupdict().get("name") or DEFAULT_MODEL)
     return None
+
+
+VIDEO_ROUTES = ("/detect/video", "/models/<name>/detect/video")  # bodies up to max_video_bytes, not max_body_bytes
+
+
+def is_video(path: str) -> bool:
+    """Whether a request path is a video route, whose body may be up to max_video_bytes."""
+    target = inference_target(path)
+    return target is not None and target.route in VIDEO_ROUTES

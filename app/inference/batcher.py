@@ -107,11 +107,13 @@ class InferenceQueue:
         )
 
     def submit(self, images: Sequence[np.ndarray], deadline: float,
-               cancellation: Optional[Cancellation] = None) -> list[QueuedImage]:
+               cancellation: Optional[Cancellation] = None, run_here: bool = True) -> list[QueuedImage]:
         """Queue one request's images; return their futures; raise Overloaded at once if they do not fit.
 
         With a `cancellation`, the images still waiting when it is cancelled are dropped (their futures
-        cancelled); ClientGone if it is cancelled already.
+        cancelled); ClientGone if it is cancelled already. `run_here` False leaves every call to the batching
+        threads: a caller that goes on submitting (a video's frames) must not be held by a call in its own
+        thread, and its frames then share calls.
         """
         with self._cond:
             if self._closed:
@@ -123,7 +125,7 @@ class InferenceQueue:
                 raise refused
             self._next_request += 1
             items = [QueuedImage(image, self._next_request, deadline) for image in images]
-            now_in_this_thread = self._may_run_now(items)
+            now_in_this_thread = run_here and self._may_run_now(items)
             if now_in_this_thread:
                 self._running += 1
             else:

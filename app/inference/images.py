@@ -7,7 +7,9 @@ the user sees it; every mode is converted to 8-bit RGB (alpha dropped, as Tensor
 Given a model's working size (app/inference/working_size.py), an image is decoded no larger than the
 model needs: a JPEG by its decoder's own scaling (1/2, 1/4 or 1/8, in the DCT domain, so the skipped
 pixels are never made), then any image reduced the rest of the way. The DecodedImage keeps the
-original's displayed width and height, for the answer and its boxes.
+original's displayed width and height, for the answer and its boxes. Asked for the picture as well
+(`picture_side`, for an answer drawn on the image: app/vision/annotate.py), it is decoded once, at the
+larger of the two sizes, and kept upright beside the model's pixels.
 Called in WSGI request threads; thread-safe. The process calls `app.process.configure_pillow` first.
 """
 
@@ -53,11 +55,14 @@ class DecodedImage:
     format: str
     width: int
     height: int
+    picture: Optional[Image.Image] = None  # upright RGB, longest side at most picture_side; only when asked
 
 
-def decode_image(data: bytes, max_pixels: int, working_size: Optional[WorkingSize] = None) -> DecodedImage:
+def decode_image(data: bytes, max_pixels: int, working_size: Optional[WorkingSize] = None,
+                 picture_side: Optional[int] = None) -> DecodedImage:
     """Decode one image, no larger than `working_size` needs (None: full size).
 
+    With `picture_side`, also keep the upright picture, its longest side at most that (0: full size).
     Raise InvalidImage, UnsupportedImageFormat or ImageTooLarge.
     """
     if not data:
@@ -73,6 +78,7 @@ def decode_image(data: bytes, max_pixels: int, working_size: Optional[WorkingSiz
         raise InvalidImage("the bytes are not a JPEG, PNG, WebP, BMP or GIF image") from None
     except Exception as exc:  # Pillow raises many types for malformed headers
         raise InvalidImage(f"the image header cannot be read: {exc}") from None
+    picture = None
     with image:
         width, height = image.size
         if width <= 0 or height <= 0:
@@ -84,17 +90,41 @@ def decode_image(data: bytes, max_pixels: int, working_size: Optional[WorkingSiz
         fmt = image.format or "unknown"
         try:
             image.seek(0)  # GIF and animated WebP: the first frame only
-            _draft(image, working_size)
+            _draft(image, working_size, _picture_scale(picture_side, width, height))
             image.load()
             orientation = _orientation(image)
             if orientation in _SWAPS_SIDES:
                 width, height = height, width
-            rgb = _reduce(_to_rgb(_turn(image, orientation)), working_size, (width, height))
+            upright = _to_rgb(_turn(image, orientation))
+            rgb = _reduce(upright, working_size, (width, height))
+            if picture_side is not None:
+                picture = _fit(upright, picture_side)
         except (ImageTooLarge, InvalidImage):
             raise
         except Exception as exc:  # truncated or corrupt data surfaces here, as OSError, ValueError, ...
             raise InvalidImage(f"the {fmt} image is corrupt or truncated: {exc}") from None
-    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8), format=fmt, width=width, height=height)
+    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8), format=fmt, width=width, height=height,
+                        picture=picture)
+
+
+def _picture_scale(picture_side: Optional[int], width: int, height: int) -> float:
+    """The least scale the picture may be decoded at: 0 when none is asked for, 1 for full size."""
+    if picture_side is None:
+        return 0.0
+    if picture_side == 0:
+        return 1.0
+    return min(1.0, picture_side / max(width, height))
+
+
+def _fit(image: Image.Image, side: int) -> Image.Image:
+    """The upright picture with its longest side at most `side` (0: as it is). It may be the image the model's
+    pixels were copied from (np.asarray copies), so drawing on it later changes nothing the model sees."""
+    longest = max(image.size)
+    if side and longest > side:
+        scale = side / longest
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        return image.resize(size, Image.BILINEAR, reducing_gap=2.0)
+    return image
 
 
 def _refused_format(data: bytes) -> str | None:
@@ -144,17 +174,20 @@ def _turn(image: Image.Image, orientation: int) -> Image.Image:
 DRAFT_SLACK = 0.02
 
 
-def _draft(image: Image.Image, working_size: Optional[WorkingSize]) -> None:
-    """Have the JPEG decoder scale by 1/2, 1/4 or 1/8 where the working size allows; before load().
+def _draft(image: Image.Image, working_size: Optional[WorkingSize], picture_scale: float = 0.0) -> None:
+    """Have the JPEG decoder scale by 1/2, 1/4 or 1/8 where the working size (and the picture asked for, at
+    `picture_scale` of the image at least) allow; before load().
 
     The scale is worked out on the size as displayed: a turn by EXIF swaps width and height, and the
     working size is the model's, upright. The scale itself is the same along both sides.
     """
-    if working_size is None or not isinstance(image, JpegImagePlugin.JpegImageFile):
+    if not isinstance(image, JpegImagePlugin.JpegImageFile) or (working_size is None and picture_scale >= 1.0):
         return
     width, height = image.size
     turned = _orientation(image) in _SWAPS_SIDES
-    least = working_size.scale(*((height, width) if turned else (width, height))) * (1 - DRAFT_SLACK)
+    least = 1.0 if working_size is None else (
+        working_size.scale(*((height, width) if turned else (width, height))) * (1 - DRAFT_SLACK))
+    least = max(least, picture_scale)
     scale = next(s for s in (8, 4, 2, 1) if 1 / s >= least)
     if scale > 1:
         # Pillow picks the largest scale whose result is at least the size asked for: ask for exactly 1/scale.

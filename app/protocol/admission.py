@@ -45,6 +45,10 @@ STREAM = "stream"  # a gRPC inference stream (ModelStreamInfer), held open by it
 WATCH = "watch"  # a gRPC health Watch, held open by its client
 REFLECTION = "reflection"  # a gRPC server-reflection stream (grpcurl opens one per command)
 HELD = (STREAM, WATCH, REFLECTION)
+# A video through POST /detect/video: an inference request (it holds a WSGI thread) that lasts as long as its video,
+# so it counts as VIDEO too, against a cap of its own: videos cannot take every thread from the images. Not HELD:
+# it is never idle (each frame ends within request_deadline_s, or the stream ends with an error line).
+VIDEO = "video"
 # Reflection serves tools (grpcurl, Postman) that open a stream per command and close it; a handful is plenty.
 REFLECTION_CAP = 8
 WATCHDOG_MAX_TICK_S = 1.0
@@ -53,7 +57,7 @@ SEND_DEADLINE_S = 10.0
 END_GRACE_S = 5.0  # after an idle end, how long a call may take to end before it is cut
 IDLE_EXEMPT = (WATCH,)
 
-_CAP_SETTINGS = {INFERENCE: "http_threads", STREAM: "max_streams", WATCH: "max_watches"}
+_CAP_SETTINGS = {INFERENCE: "http_threads", STREAM: "max_streams", WATCH: "max_watches", VIDEO: "max_video_streams"}
 
 
 class Lifecycle(Protocol):
@@ -64,7 +68,7 @@ class Lifecycle(Protocol):
 def caps_from(settings) -> dict[str, int]:
     """The cap of each kind of call, from the settings: what one door admits at once of each."""
     return {INFERENCE: settings.http_threads, STREAM: settings.max_streams, WATCH: settings.max_watches,
-            REFLECTION: REFLECTION_CAP}
+            REFLECTION: REFLECTION_CAP, VIDEO: settings.max_video_streams}
 
 
 @dataclass(eq=False)
@@ -247,6 +251,6 @@ def _over_cap(kind: str, open_now: int, door: str) -> str:
         return f"the server is handling {open_now} {calls}, its limit (http_threads); retry shortly"
     if kind == REFLECTION:
         return f"{open_now} reflection streams are open, the most this server holds ({REFLECTION_CAP}); retry shortly"
-    noun = {STREAM: "inference streams", WATCH: "health Watch calls"}[kind]
+    noun = {STREAM: "inference streams", WATCH: "health Watch calls", VIDEO: "videos"}[kind]
     advice = "send on an open stream, or retry shortly" if kind == STREAM else "retry shortly"
     return f"{open_now} {noun} are open, the most this server holds ({_CAP_SETTINGS[kind]}); {advice}"

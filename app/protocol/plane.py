@@ -20,7 +20,7 @@ import numpy as np
 from .. import __version__
 from ..access import SHARED_MEMORY, Restriction, group_refusal, parse_restricted_api
 from ..errors import ClientGone, DetectError, ImageTooLarge, InferenceFailed, InvalidBody, NotReady, VersionNotFound
-from ..inference.detections import ModelOutputs, to_detections
+from ..inference.detections import Detection, ModelOutputs, to_detections
 from ..inference.images import DecodedImage, decode_image
 from ..metrics import ServiceMetrics
 from ..settings import Settings
@@ -247,10 +247,11 @@ class DataPlane:
         self.check_image_count(len(blobs), where)
         return self.decode_files(blobs, model)
 
-    def decode_files(self, blobs: Sequence[bytes], model) -> list[DecodedImage]:
-        """Decode image files for `model`: no larger than its working size when decode_at_model_size is on."""
+    def decode_files(self, blobs: Sequence[bytes], model, picture_side: Optional[int] = None) -> list[DecodedImage]:
+        """Decode image files for `model`: no larger than its working size when decode_at_model_size is on; with
+        `picture_side`, each keeps its upright picture too, its longest side at most that (0: full size)."""
         size = model.working_size() if self.settings.decode_at_model_size else None
-        return [decode_image(blob, self.settings.max_image_pixels, size) for blob in blobs]
+        return [decode_image(blob, self.settings.max_image_pixels, size, picture_side) for blob in blobs]
 
     def check_image_count(self, count: int, where: str) -> None:
         """Refuse a request of more images than max_images_per_request."""
@@ -263,9 +264,13 @@ class DataPlane:
 def image_answer(image: DecodedImage, outputs: ModelOutputs, labels: dict, threshold: float,
                  max_detections: int) -> dict:
     """One image's detections as /detect answers them (and v2's `detections` output): size, labelled pixel boxes."""
-    return {"width": image.width, "height": image.height,
-            "detections": [d.to_json() for d in to_detections(outputs, image.width, image.height, labels, threshold,
-                                                             max_detections)]}
+    return detections_answer(image, to_detections(outputs, image.width, image.height, labels, threshold,
+                                                  max_detections))
+
+
+def detections_answer(image: DecodedImage, detections: Sequence[Detection]) -> dict:
+    """An image's size and its detections, as /detect answers them."""
+    return {"width": image.width, "height": image.height, "detections": [d.to_json() for d in detections]}
 
 
 def served_version(model) -> Optional[str]:

@@ -12,7 +12,8 @@ import pytest
 
 from app.errors import NotReady, Overloaded
 from app.protocol.admission import (
-    END_GRACE_S, HELD, INFERENCE, REFLECTION, REFLECTION_CAP, SEND_DEADLINE_S, STREAM, WATCH, Admission, caps_from,
+    END_GRACE_S, HELD, INFERENCE, REFLECTION, REFLECTION_CAP, SEND_DEADLINE_S, STREAM, VIDEO, WATCH, Admission,
+    caps_from,
 )
 from app.settings import Settings
 
@@ -32,17 +33,18 @@ class Model:
         self.queue = FullQueue() if full else type("Roomy", (), {"refusal": lambda self: None})()
 
 
-SETTINGS = replace(Settings(), http_threads=3, max_streams=2, max_watches=4, idle_timeout_s=1.0)
+SETTINGS = replace(Settings(), http_threads=3, max_streams=2, max_watches=4, max_video_streams=2, idle_timeout_s=1.0)
 
 
 def test_the_caps_come_from_the_settings_and_every_held_kind_has_one():
     caps = caps_from(SETTINGS)
-    assert caps == {INFERENCE: 3, STREAM: 2, WATCH: 4, REFLECTION: REFLECTION_CAP}
+    assert caps == {INFERENCE: 3, STREAM: 2, WATCH: 4, REFLECTION: REFLECTION_CAP, VIDEO: 2}
     assert set(HELD) <= set(caps)
 
 
 @pytest.mark.parametrize("kind, setting", [(INFERENCE, "http_threads"), (STREAM, "max_streams"),
-                                           (WATCH, "max_watches"), (REFLECTION, str(REFLECTION_CAP))])
+                                           (WATCH, "max_watches"), (REFLECTION, str(REFLECTION_CAP)),
+                                           (VIDEO, "max_video_streams")])
 def test_each_kind_is_admitted_up_to_its_cap_and_the_next_is_refused_naming_it(kind, setting):
     admission = Admission("grpc", SETTINGS)
     tickets = [admission.enter(kind) for _ in range(admission.caps[kind])]

@@ -1,7 +1,7 @@
 // The page's only script: try a model on an image, and watch how the models share memory.
-// It speaks to this service's own JSON routes and nothing else (the Content-Security-Policy allows
-// no other origin): /models, /models/<name>/detect, /gpu, /gpu/history, and the repository
-// extension's /v2/repository/models/<name>/load and /unload.
+// It speaks to this service's own routes and nothing else (the Content-Security-Policy allows
+// no other origin): /models, /models/<name>/detect, /models/<name>/detect/video, /gpu, /gpu/history,
+// and the repository extension's /v2/repository/models/<name>/load and /unload.
 "use strict";
 
 const POLL_MS = 2000;
@@ -242,6 +242,353 @@ function wireTryPanel() {
   $("threshold").addEventListener("input", () => { $("threshold-value").textContent = threshold(); });
   $("threshold").addEventListener("change", detect);
   $("model").addEventListener("change", () => { showLabels(); detect(); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Camera and video: the chosen model on the camera's live picture, one frame in flight, each object with
+// a track number; or a video file the server decodes and tracks (POST /models/<name>/detect/video),
+// drawn over the file as it plays. Boxes take their class's colour, the same as in the server's
+// pictures and videos (app/vision/annotate.py's PALETTE).
+
+const CLASS_COLOURS = [
+  "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f",
+  "#393b79", "#e6550d", "#31a354", "#ad494a", "#6b6ecf", "#8c6d31", "#ce6dbd", "#3182bd", "#a55194", "#637939",
+];
+const CAMERA_SIDE = 640;     // camera frames are sent at most this wide or high
+const TRACK_LOW = 0.1;       // detections this sure may keep a track alive (the server's ByteTrack's second stage)
+const TRACK_LOST_MS = 1000;  // a track unseen this long ends
+const BOX_KEYS = ["x_min", "y_min", "x_max", "y_max"];
+const camera = {
+  session: 0,       // which run is current: a camera run or a video file; older ones stop
+  stream: null,     // the camera's MediaStream
+  tracker: null,
+  answered: [],     // when each of the last answers came (ms), for the rate
+  records: [],      // a video file's frame records, in order
+  info: null,       // its video record
+  done: false,      // its answer has ended
+  waiting: false,   // its playback waits for the answer to catch up
+  fileUrl: null,
+};
+
+function classColour(classId) {
+  return CLASS_COLOURS[(((classId - 1) % CLASS_COLOURS.length) + CLASS_COLOURS.length) % CLASS_COLOURS.length];
+}
+
+function cameraMessage(text, isError) {
+  if (isError) {
+    showError($("camera-error"), text);
+    $("camera-status").textContent = "";
+  } else {
+    showError($("camera-error"), "");
+    $("camera-status").textContent = text;
+  }
+}
+
+// A small tracker for the camera's frames, which reach the server one by one: each track's box is predicted
+// by its last step, then matched to the sure detections by IoU and class, then to the unsure ones (ByteTrack's
+// two stages, without its Kalman filter). A video file is tracked by the server's own ByteTrack instead.
+class PageTracker {
+  constructor(high) {
+    this.high = high;
+    this.tracks = [];
+    this.nextId = 1;
+  }
+
+  update(detections, now) {
+    for (const t of this.tracks) t.predicted = shift(t.box, t.step);
+    const sure = detections.filter((d) => d.score >= this.high);
+    const unsure = detections.filter((d) => d.score < this.high);
+    const given = new Map();
+    const free = this.match(this.tracks, sure, 0.2, given, now);
+    this.match(free.filter((t) => now - t.seen <= TRACK_LOST_MS / 4), unsure, 0.5, given, now);
+    for (const d of sure) {
+      if (given.has(d) || d.score < Math.min(this.high + 0.1, 1)) continue;
+      const track = { id: this.nextId++, classId: d.class_id, box: d.box, step: [0, 0, 0, 0], seen: now };
+      this.tracks.push(track);
+      given.set(d, track.id);
+    }
+    this.tracks = this.tracks.filter((t) => now - t.seen <= TRACK_LOST_MS);
+    return detections.filter((d) => given.has(d) || d.score >= this.high)
+      .map((d) => ({ ...d, track_id: given.has(d) ? given.get(d) : null }));
+  }
+
+  match(tracks, detections, least, given, now) {
+    const pairs = [];
+    for (const t of tracks) {
+      for (const d of detections) {
+        if (d.class_id !== t.classId || given.has(d)) continue;
+        const similarity = iou(t.predicted, d.box);
+        if (similarity >= least) pairs.push([similarity, t, d]);
+      }
+    }
+    pairs.sort((a, b) => b[0] - a[0]);
+    const taken = new Set();
+    for (const [, t, d] of pairs) {
+      if (taken.has(t) || given.has(d)) continue;
+      taken.add(t);
+      given.set(d, t.id);
+      t.step = BOX_KEYS.map((k, i) => 0.5 * t.step[i] + 0.5 * (d.box[k] - t.box[k]));  // a smoothed step per frame
+      t.box = d.box;
+      t.seen = now;
+    }
+    return tracks.filter((t) => !taken.has(t));
+  }
+}
+
+function shift(box, step) {
+  return { x_min: box.x_min + step[0], y_min: box.y_min + step[1], x_max: box.x_max + step[2], y_max: box.y_max + step[3] };
+}
+
+function iou(a, b) {
+  const w = Math.max(0, Math.min(a.x_max, b.x_max) - Math.max(a.x_min, b.x_min));
+  const h = Math.max(0, Math.min(a.y_max, b.y_max) - Math.max(a.y_min, b.y_min));
+  const inter = w * h;
+  const union = (a.x_max - a.x_min) * (a.y_max - a.y_min) + (b.x_max - b.x_min) * (b.y_max - b.y_min) - inter;
+  return union > 0 ? inter / union : 0;
+}
+
+function drawTracked(detections, width, height) {
+  // Boxes are in the pixels of the picture the answer is about (width x height); the canvas covers the video
+  // as shown, at the device's pixel ratio.
+  const video = $("camera-video");
+  const canvas = $("camera-canvas");
+  const ratio = window.devicePixelRatio || 1;
+  const shownW = video.clientWidth, shownH = video.clientHeight;
+  canvas.width = Math.round(shownW * ratio);
+  canvas.height = Math.round(shownH * ratio);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, shownW, shownH);
+  if (!width || !height) return;
+  const sx = shownW / width, sy = shownH / height;
+  ctx.lineWidth = 2;
+  ctx.font = "600 13px system-ui, sans-serif";
+  ctx.textBaseline = "bottom";
+  for (const d of [...detections].sort((a, b) => a.score - b.score)) {
+    const b = d.box;
+    const x = b.x_min * sx, y = b.y_min * sy, w = (b.x_max - b.x_min) * sx, h = (b.y_max - b.y_min) * sy;
+    const colour = classColour(d.class_id);
+    ctx.strokeStyle = colour;
+    ctx.strokeRect(x, y, w, h);
+    const text = `${d.track_id === null ? "" : `#${d.track_id} `}${d.label} ${d.score.toFixed(2)}`;
+    const tagW = ctx.measureText(text).width + 8;
+    const tagY = y >= 18 ? y : y + 18;
+    ctx.fillStyle = colour;
+    ctx.fillRect(x, tagY - 18, tagW, 18);
+    ctx.fillStyle = "#ffffff";
+    ctx.fillText(text, x + 4, tagY - 3);
+  }
+  $("camera-tracks").replaceChildren(...detections.map((d) => el("li", { "data-track": d.track_id === null ? "" : d.track_id },
+    el("span", { className: "label", text: d.track_id === null ? "new" : `#${d.track_id}` }), " ",
+    `${d.label} `, el("span", { className: "score", text: d.score.toFixed(3) }))));
+}
+
+function newSession() {
+  camera.session += 1;
+  if (camera.stream) {
+    for (const track of camera.stream.getTracks()) track.stop();
+    camera.stream = null;
+  }
+  const video = $("camera-video");
+  video.pause();
+  video.srcObject = null;
+  if (camera.fileUrl) {
+    video.removeAttribute("src");
+    video.load();
+    URL.revokeObjectURL(camera.fileUrl);
+    camera.fileUrl = null;
+  }
+  camera.answered = [];
+  camera.records = [];
+  camera.info = null;
+  camera.done = false;
+  camera.waiting = false;
+  $("camera-stop").disabled = true;
+  return camera.session;
+}
+
+async function startCamera() {
+  const session = newSession();
+  const model = chosenModel();
+  if (!model) return;
+  if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) {
+    cameraMessage("This browser gives no camera to this page (a camera needs https:// or localhost).", true);
+    return;
+  }
+  try {
+    camera.stream = await navigator.mediaDevices.getUserMedia({ video: { width: { ideal: 1280 } }, audio: false });
+  } catch (err) {
+    cameraMessage(`The camera could not be opened: ${err.message || err.name || err}`, true);
+    return;
+  }
+  if (session !== camera.session) return;
+  const video = $("camera-video");
+  video.srcObject = camera.stream;
+  $("camera-stage").hidden = false;
+  $("camera-stop").disabled = false;
+  await video.play().catch(() => {});
+  camera.tracker = new PageTracker(Number(threshold()));
+  cameraMessage(`Asking ${model} about the camera's frames…`);
+  cameraLoop(session, model);
+}
+
+async function cameraLoop(session, model) {
+  // One frame in flight: the next is taken when the answer to the last has come, so the page runs at the rate
+  // the server keeps up with, and shows that rate.
+  const video = $("camera-video");
+  const grab = document.createElement("canvas");
+  let frames = 0;
+  while (session === camera.session) {
+    if (video.readyState < 2 || !video.videoWidth) {
+      await new Promise((resolve) => setTimeout(resolve, 50));
+      continue;
+    }
+    const scale = Math.min(1, CAMERA_SIDE / Math.max(video.videoWidth, video.videoHeight));
+    grab.width = Math.round(video.videoWidth * scale);
+    grab.height = Math.round(video.videoHeight * scale);
+    grab.getContext("2d").drawImage(video, 0, 0, grab.width, grab.height);
+    const blob = await new Promise((resolve) => grab.toBlob(resolve, "image/jpeg", 0.85));
+    let answer;
+    try {
+      const low = Math.min(TRACK_LOW, Number(threshold())).toFixed(2);
+      answer = await call("POST", `/models/${encodeURIComponent(model)}/detect?threshold=${low}`, blob, "image/jpeg");
+    } catch (err) {
+      if (session !== camera.session) return;
+      cameraMessage(err.message, true);
+      await new Promise((resolve) => setTimeout(resolve, 1000));  // a busy or failed server: try again shortly
+      continue;
+    }
+    if (session !== camera.session) return;
+    const now = performance.now();
+    camera.answered.push(now);
+    while (camera.answered.length && now - camera.answered[0] > 3000) camera.answered.shift();
+    const rate = camera.answered.length > 1 ?
+      (1000 * (camera.answered.length - 1)) / (now - camera.answered[0]) : 0;
+    const tracked = camera.tracker.update(answer.detections, now);
+    drawTracked(tracked, answer.width, answer.height);
+    frames += 1;
+    document.body.dataset.cameraFrames = String(frames);
+    cameraMessage(`${answer.model.name} v${answer.model.version}: ${rate.toFixed(1)} frames/s, one frame in flight; ` +
+      `${tracked.length} ${tracked.length === 1 ? "object" : "objects"} in view.`);
+  }
+}
+
+function stopCamera() {
+  newSession();
+  cameraMessage("Stopped.");
+}
+
+async function trackVideoFile(file) {
+  if (!file) return;
+  const session = newSession();
+  const model = chosenModel();
+  if (!model) return;
+  const video = $("camera-video");
+  camera.fileUrl = URL.createObjectURL(file);
+  video.src = camera.fileUrl;
+  $("camera-stage").hidden = false;
+  $("camera-stop").disabled = false;
+  cameraMessage(`Sending ${file.name} to ${model}…`);
+  let response;
+  try {
+    response = await fetch(`/models/${encodeURIComponent(model)}/detect/video?threshold=${threshold()}`, {
+      method: "POST", body: file,
+      headers: { "Content-Type": file.type || "application/octet-stream", Accept: "application/x-ndjson" },
+    });
+  } catch (err) {
+    cameraMessage(`the service did not answer (${err.message || err})`, true);
+    return;
+  }
+  if (!response.ok) {
+    const text = await response.text();
+    let answer = null;
+    try { answer = JSON.parse(text); } catch (err) { answer = null; }
+    if (session === camera.session) cameraMessage(`Error ${response.status}: ${errorMessage(answer, text)}`, true);
+    return;
+  }
+  video.play().catch(() => {});
+  followVideo(session);
+  await readRecords(session, response.body.getReader(), file.name);
+}
+
+async function readRecords(session, reader, name) {
+  // The answer is NDJSON, a record per line, read as it comes: the first frames are drawn while the server is
+  // still on the later ones.
+  const decoder = new TextDecoder();
+  let held = "";
+  for (;;) {
+    let chunk;
+    try {
+      chunk = await reader.read();
+    } catch (err) {
+      if (session === camera.session) cameraMessage(`The answer was cut: ${err.message || err}`, true);
+      return;
+    }
+    if (session !== camera.session) {
+      reader.cancel().catch(() => {});
+      return;
+    }
+    if (chunk.done) break;
+    held += decoder.decode(chunk.value, { stream: true });
+    let end;
+    while ((end = held.indexOf("\n")) >= 0) {
+      const line = held.slice(0, end);
+      held = held.slice(end + 1);
+      if (line.trim()) takeRecord(JSON.parse(line), name);
+    }
+  }
+}
+
+function takeRecord(record, name) {
+  if (record.video) {
+    camera.info = record.video;
+  } else if (record.frame !== undefined) {
+    camera.records.push(record);
+    document.body.dataset.videoFrames = String(camera.records.length);
+    const total = camera.info ? Math.ceil(camera.info.duration_s * camera.info.sampled_fps) : "?";
+    cameraMessage(`${name}: ${camera.records.length} of about ${total} frames tracked…`);
+  } else if (record.end) {
+    camera.done = true;
+    document.body.dataset.videoDone = "true";
+    cameraMessage(`${name}: ${record.end.frames} frames, ${record.end.tracks} ` +
+      `${record.end.tracks === 1 ? "track" : "tracks"}, tracked in ${(record.end.timing_ms.total / 1000).toFixed(1)} s.`);
+  } else if (record.error) {
+    camera.done = true;
+    cameraMessage(`${name} stopped after ${record.frames} frames: ${record.error.message}`, true);
+  }
+}
+
+function followVideo(session) {
+  // On every animation frame, draw the tracks of the last frame answered at or before the picture shown. While
+  // the answer is behind the picture, the video waits for it, so that the boxes stay on their objects.
+  const video = $("camera-video");
+  const draw = () => {
+    if (session !== camera.session) return;
+    const now = video.currentTime + 1e-3;
+    const records = camera.records;
+    const last = records.length ? records[records.length - 1] : null;
+    if (!camera.done && !video.paused && (!last || last.time_s < now)) {
+      video.pause();
+      camera.waiting = true;
+    } else if (camera.waiting && (camera.done || (last && last.time_s >= now))) {
+      camera.waiting = false;
+      video.play().catch(() => {});
+    }
+    let shown = null;
+    for (const record of records) {
+      if (record.time_s > now) break;
+      shown = record;
+    }
+    if (shown && camera.info) drawTracked(shown.detections, camera.info.width, camera.info.height);
+    requestAnimationFrame(draw);
+  };
+  draw();
+}
+
+function wireCamera() {
+  $("camera-start").addEventListener("click", startCamera);
+  $("camera-stop").addEventListener("click", stopCamera);
+  $("video-file").addEventListener("change", (event) => trackVideoFile(event.target.files[0]));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -510,6 +857,7 @@ async function poll() {
 
 function start() {
   wireTryPanel();
+  wireCamera();
   $("models-body").addEventListener("click", (event) => {
     const button = event.target.closest("button[data-action]");
     if (button) loadOrUnload(button.dataset.model, button.dataset.action);
