@@ -99,9 +99,14 @@ class WorkerLost(DetectError):
 
 class AnswerCut(DetectError):
     """A streamed answer already under way (an annotated video) cannot be finished; the HTTP gateway closes the
-    connection without its last chunk, so that the client sees the answer incomplete, not shorter and whole."""
+    connection without its last chunk, so that the client sees the answer incomplete, not shorter and whole.
+    `abort`: the client stopped reading, so the connection is dropped with what it holds, not flushed first."""
 
     code = "answer_cut"
+
+    def __init__(self, message: str, abort: bool = False):
+        super().__init__(message)
+        self.abort = abort
 
 
 class RequestError(DetectError):

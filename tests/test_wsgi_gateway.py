@@ -115,3 +115,54 @@ def test_the_app_sees_twisted_s_environ_and_when_the_body_began(twins, raw):
     assert theirs.pop("cancellation") == "NoneType"
     assert ours.pop("cancellation") == "Cancellation"  # set if the client goes (app/cancellation.py)
     assert ours == theirs
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_stream_a_client_does_not_read_is_held_back_then_cut_where_twisted_buffers_it_whole(twins):
+    """32 MiB streamed to a client that reads nothing: Twisted's gateway takes it all into the process's memory;
+    ours waits while the socket is full, so the process holds no more than a socket's worth, and once the client
+    has taken nothing for SEND_DEADLINE_S it cuts the connection (the answer's thread and memory come back)."""
+    from app.protocol.admission import SEND_DEADLINE_S
+
+    grown = {}
+    for side in ("ours", "twisted"):
+        before = rss_mib(twins["pid"])
+        connection = socket.create_connection(("127.0.0.1", twins[side]), timeout=SEND_DEADLINE_S + 30)
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        connection.sendall(request("GET", "/big"))
+        import time
+
+        time.sleep(4)
+        grown[side] = rss_mib(twins["pid"]) - before
+        if side == "ours":
+            time.sleep(SEND_DEADLINE_S + 2)
+            received = b""
+            try:
+                while chunk := connection.recv(2**20):
+                    received += chunk
+            except ConnectionResetError:
+                pass
+            assert len(received) < 16 * 2**20, "the answer was not cut"
+        connection.close()
+    assert grown["twisted"] > 24, grown  # the whole answer, buffered: the test can see what it guards against
+    assert grown["ours"] < 8, grown
+
+
+def test_a_stream_read_slowly_but_steadily_arrives_whole(twins):
+    import time
+
+    with socket.create_connection(("127.0.0.1", twins["ours"]), timeout=30) as connection:
+        connection.sendall(request("GET", "/big"))
+        received = b""
+        while chunk := connection.recv(2**20):
+            received += chunk
+            time.sleep(0.05)  # about 20 MiB/s at most: slower than the server writes
+    body = received.partition(b"\r\n\r\n")[2]
+    assert b"Transfer-Encoding: chunked" in received.partition(b"\r\n\r\n")[0]
+    assert body.replace(b"\r\n", b"").count(b"x") == 32 * 2**20

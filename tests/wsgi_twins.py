@@ -8,6 +8,7 @@ ports and compares what comes back.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from twisted.internet import reactor
@@ -15,8 +16,8 @@ from twisted.python.threadpool import ThreadPool
 from twisted.web import server
 from twisted.web.wsgi import WSGIResource
 
-from app.hosting.wsgi import TimedWSGIResource, whole_body_input
 from app.cancellation import CANCELLATION_KEY
+from app.hosting.wsgi import TimedWSGIResource, whole_body_input
 from app.timeline import RECEIVED_KEY
 
 LATIN = "caf\u00e9"  # a header value beyond ASCII, as WSGI's latin-1 native string
@@ -59,6 +60,16 @@ def stream(environ, start_response):
     return iter([b"one ", b"", b"two ", b"three\n"])
 
 
+BIG_CHUNKS = 32
+
+
+def big_stream(environ, start_response):
+    """32 MiB in chunks of 1 MiB, each a new one (as an encoder's are), with no Content-Length: what a client that
+    reads slowly, or not at all, meets."""
+    start_response("200 OK", [("Content-Type", "application/octet-stream")])
+    return (b"x" * 2**20 for _ in range(BIG_CHUNKS))
+
+
 def write_callable(environ, start_response):
     """The old-style write callable, then an empty iterable."""
     write = start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "12")])
@@ -86,7 +97,7 @@ def headers_tuple(environ, start_response):
     return []
 
 
-ROUTES = {"/environ": environ_answer, "/whole": whole, "/no-type": no_type, "/stream": stream,
+ROUTES = {"/environ": environ_answer, "/whole": whole, "/no-type": no_type, "/stream": stream, "/big": big_stream,
           "/write": write_callable, "/raise-before": raise_before, "/raise-after": raise_after,
           "/bytes-status": bytes_status, "/headers-tuple": headers_tuple}
 
@@ -102,7 +113,8 @@ def main() -> int:
     wrapped = whole_body_input(app)
     twisted_port = reactor.listenTCP(0, server.Site(WSGIResource(reactor, pool, wrapped)), interface="127.0.0.1")
     our_port = reactor.listenTCP(0, server.Site(TimedWSGIResource(reactor, pool, wrapped)), interface="127.0.0.1")
-    print(json.dumps({"twisted": twisted_port.getHost().port, "ours": our_port.getHost().port}), flush=True)
+    print(json.dumps({"twisted": twisted_port.getHost().port, "ours": our_port.getHost().port, "pid": os.getpid()}),
+          flush=True)
     reactor.run()
     return 0
 

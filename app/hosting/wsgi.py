@@ -5,7 +5,11 @@ request thread waits for the I/O thread to write it, then wakes) and then the fi
 three thread wake-ups per answer, each a quarter of a millisecond on an idle virtual CPU
 (docs/concepts/latency.md). Here an answer with a Content-Length (every answer this app builds, errors
 included) is gathered and handed over once, with its finish, and the request thread does not wait.
-Streamed answers (no Content-Length, or over WHOLE_ANSWER_BYTES) keep Twisted's way, chunk by chunk.
+Streamed answers (no Content-Length, or over WHOLE_ANSWER_BYTES) keep Twisted's way, chunk by chunk, with flow
+control Twisted's gateway lacks: the request thread waits while the client's socket is full (the gateway is the
+answer's push producer, paused and resumed by the transport), so a client that reads slowly makes the server hold
+at most a socket buffer of it, not the whole answer; one that has taken nothing for SEND_DEADLINE_S is cut off,
+as the gRPC port cuts a call whose client stops reading (app/protocol/admission.py).
 
 Changing that needs the object that drives one request, which Twisted keeps private
 (twisted.web.wsgi._WSGIResponse, no compatibility promise) and which this service used to subclass. This
@@ -23,15 +27,18 @@ beyond this machine's noise).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
-from twisted.internet import threads
+from twisted.internet import interfaces, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
+from zope.interface import implementer
 
 from ..cancellation import CANCELLATION_KEY, Cancellation
 from ..errors import AnswerCut
+from ..protocol.admission import SEND_DEADLINE_S
 from ..timeline import RECEIVED_KEY
 
 WHOLE_ANSWER_BYTES = 16 * 2**20  # an answer with a Content-Length up to this size goes out in one hand-off
@@ -95,11 +102,13 @@ class WholeAnswer:
         self.environ = wsgi_environ(request)
         # Set when the client goes away before its answer, so that what it queued is dropped (app/cancellation.py).
         self.environ[CANCELLATION_KEY] = Cancellation()
+        self.flow = Flow()
         request.notifyFinish().addBoth(self._finish_noted)
         request.defaultContentType = None  # the app decides every header
 
     def _finish_noted(self, result) -> None:
         self.finished = True
+        self.flow.resumeProducing()  # a thread waiting for room stops waiting: there is no one to write to
         if isinstance(result, Failure):  # the connection was lost before the answer was written: the client went
             self.environ[CANCELLATION_KEY].cancel()
 
@@ -123,13 +132,17 @@ class WholeAnswer:
         return self.write
 
     def write(self, data: bytes) -> None:
-        """The WSGI write callable: send one chunk (the status and headers first), waiting until it is written."""
+        """The WSGI write callable: send one chunk (the status and headers first), waiting until it is written
+        and until the client has room for more; raise AnswerCut if it has taken nothing for SEND_DEADLINE_S."""
 
         def write_in_io_thread(started):
             if not started:
                 self._send_headers()
+                self.request.registerProducer(self.flow, True)
             self.request.write(data)
 
+        if not self.flow.wait(SEND_DEADLINE_S, lambda: self.finished):
+            raise AnswerCut(f"the client took nothing of the answer for {SEND_DEADLINE_S:g} s", abort=True)
         try:
             threads.blockingCallFromThread(self.reactor, write_in_io_thread, self.started)
         finally:
@@ -164,7 +177,7 @@ class WholeAnswer:
                     close()
         except AnswerCut as cut:  # a stream that cannot be finished: cut it, so the client sees it incomplete
             self._log.info("a streamed answer was cut short: {why}", why=cut.message)
-            self.reactor.callFromThread(self._cut)
+            self.reactor.callFromThread(self._cut, cut.abort)
         except BaseException:
             self.reactor.callFromThread(self._failed, self.started, *sys.exc_info())
         else:
@@ -195,11 +208,18 @@ class WholeAnswer:
             self._send_headers()
         if body:
             self.request.write(body)
+        if self.request.producer is not None:
+            self.request.unregisterProducer()
         self.request.finish()
 
-    def _cut(self) -> None:
-        """In the I/O thread: close the connection of an answer under way, without its last chunk."""
-        if not self.finished:
+    def _cut(self, abort: bool = False) -> None:
+        """In the I/O thread: close the connection of an answer under way, without its last chunk; `abort` drops
+        what it still holds (its client reads nothing, so a close that waited to flush it would never come)."""
+        if self.finished:
+            return
+        if abort:
+            self.request.channel.transport.abortConnection()
+        else:
             self.request.loseConnection()
 
     def _failed(self, started, kind, value, traceback) -> None:
@@ -253,6 +273,35 @@ def _native(value: str | bytes) -> str:
     if isinstance(value, str):
         return value.encode("iso-8859-1").decode("iso-8859-1")
     return value.decode("iso-8859-1")
+
+
+@implementer(interfaces.IPushProducer)
+class Flow:
+    """A streamed answer's push producer: the transport pauses it when the client's socket is full and resumes
+    it when there is room (the I/O thread); the request thread waits on it before each chunk."""
+
+    def __init__(self):
+        self._room = threading.Event()
+        self._room.set()
+
+    def pauseProducing(self) -> None:
+        self._room.clear()
+
+    def resumeProducing(self) -> None:
+        self._room.set()
+
+    def stopProducing(self) -> None:
+        self._room.set()
+
+    def wait(self, timeout_s: float, over) -> bool:
+        """Wait until there is room (True), the answer is over (`over()`, True), or `timeout_s` has passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._room.wait(0.5):
+            if over():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
 
 class InputStream:
