@@ -36,6 +36,15 @@ def test_two_objects_of_other_classes_crossing_keep_their_identities():
     assert set(seen) == {(1, 2)}
 
 
+def test_an_object_whose_class_flips_for_a_few_frames_keeps_its_identity():
+    """The detector calls a square a circle for three frames as it passes behind something: the same box, moving on,
+    is the same object; a track prefers its own class, but another class only halves the match."""
+    tracker = Tracker(high=0.5, fps=30)
+    classes = [1] * 10 + [2] * 3 + [1] * 10
+    ids = {step(tracker, [(box(10 + 4 * i, 50), 0.9, c)])[0] for i, c in enumerate(classes)}
+    assert ids == {1} and tracker.tracks_started == 1
+
+
 def test_two_objects_of_one_class_crossing_keep_their_identities_by_motion():
     """Same class, paths crossing at an angle: the Kalman filter's prediction carries each through."""
     tracker = Tracker(high=0.5, fps=30)
