@@ -92,7 +92,10 @@ def test_the_checker_wants_requests_in_flight_at_a_kill_answered_200():
     faults = [{"t": 5.0, "fault": "kill-worker", "model": "objects", "pid": 1}]
     records = [_record(4.9, model="objects", ms=500.0), _record(4.8, model="objects", ms=400.0, status=503,
                                                                   error="model_unavailable"),
-               _record(4.8, model="shapes", ms=400.0, status=503), _record(5.5, model="objects")]
+               _record(4.8, model="shapes", ms=400.0, status=503), _record(5.5, model="objects"),
+               # A client that hung up on purpose while the worker died read no answer: not a crash's victim.
+               _record(4.9, kind="hang-up", model="objects", ms=300.0, status=499),
+               _record(4.9, kind="grpc-hang-up", model="objects", ms=300.0, status=499)]
     problems, in_flight = chaos_report.check_crashes(records, faults)
     assert in_flight == 2 and len(problems) == 1 and "status 503" in problems[0]
     # A request whose deadline ran out (it had waited for a load, then for the restart) may get 503 or 504 at it,

@@ -12,7 +12,7 @@ What must hold (issue 28):
   cancelled at the grace's end would have been abandoned, and is a problem;
 - crashes: every request for a model in flight when its worker was killed is answered 200, unless its
   deadline ran out first (a request that had waited for a load, then for the restart): then 503 or 504, at
-  the deadline;
+  the deadline; a client that hung up on purpose reads no answer, and is not counted;
 - budget: at every sample, the live workers' caps and overhead fit in the budget;
 - leaks: at the end of the settle phase, the HTTP process's resident memory is within LEAK_RSS_MIB of the
   baseline (the end of the warm-up), its threads and descriptors within a few per worker more than it then
@@ -36,6 +36,10 @@ SLACK = 4
 # that moment shows them with the worker gone. A leak stays, so it must show in each of the last few samples.
 LANE_SAMPLES = 3
 REFUSALS = (400, 404, 413, 415)
+# Requests whose client goes away on purpose: no answer is read, so a kill while one is out says nothing of it.
+HANG_UPS = ("hang-up", "grpc-hang-up")
+# Requests that are not answered 200 by design: refused input, clients too slow to be served, clients gone.
+NOT_200_BY_DESIGN = ("bad-input", "slow-client", *HANG_UPS)
 
 
 def load_requests(paths: list[Path]) -> list[dict]:
@@ -109,7 +113,7 @@ def check_crashes(records: list[dict], faults: list[dict], deadline_s: Optional[
         if fault["fault"] != "kill-worker" or "model" not in fault:
             continue
         for r in records:
-            if r.get("model") != fault["model"] or "ms" not in r:
+            if r.get("model") != fault["model"] or "ms" not in r or r["kind"] in HANG_UPS:
                 continue
             if r["rel_t"] < fault["t"] < r["rel_t"] + r["ms"] / 1000:
                 in_flight += 1
@@ -239,7 +243,7 @@ def _rates(records: list[dict]) -> dict:
     for r in records:
         second = int(r["rel_t"])
         sent[second] += 1
-        if r["status"] != 200 and r["kind"] not in ("bad-input", "slow-client", "hang-up", "grpc-hang-up"):
+        if r["status"] != 200 and r["kind"] not in NOT_200_BY_DESIGN:
             refused[second] += 1
     return {"sent": dict(sent), "not_200": dict(refused)}
 
