@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
 from .gpu.memory_policy import MemorySpec, parse_gpu_list, parse_memory_spec
+from .settings_groups import check_group_conflicts, group_name, group_values, parse_group_tables
 
 ENV_PREFIX = "DETECT_"
 DEFAULT_CONFIG = Path("config/default.toml")
@@ -316,6 +317,12 @@ class Settings:
         300.0, _float_in(0.0, 30 * 86400.0), "unload a model idle this long, giving its memory back (s; 0: never)"
     )
     preload: bool = _setting(True, _bool, "load models at boot (false: at their first request)")
+    # '': a worker per model, the isolation of a crash and a cap per model; a name shares one worker, its CUDA
+    # context and one cap with the other models that name it ([groups.<name>], app/settings_groups.py).
+    worker_group: str = _setting(
+        "", group_name, "the worker group a model runs in: models naming the same group share one worker process "
+        "and its [groups.<name>] cap ('': a worker of its own)"
+    )
     # Execution accelerators (docs/concepts/precision.md). auto, because where it picks nothing it is fp32 at no
     # cost, and where it picks bf16 it was 1.3 to 1.55x fp32's speed for objects and shapes here at batch 4 and
     # 16, with the same answers (docs/measured.md#precision). Faces was slower in bf16, so auto also times its
@@ -356,11 +363,15 @@ class Settings:
     )
     # [models.<name>] tables of the TOML file: per-model overrides of PER_MODEL_KEYS, parsed.
     model_overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(default=(), metadata={})
+    # [groups.<name>] tables: each worker group's process-wide settings (GROUP_KEYS), parsed.
+    group_tables: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(default=(), metadata={})
 
     def for_model(self, name: str) -> "ModelSettings":
         """Return the settings of one model: the server-wide values, then its [models.<name>] table."""
         values = {key: getattr(self, key) for key in PER_MODEL_KEYS}
         values.update(dict(self.overrides_for(name)))
+        if values["worker_group"]:  # what its worker applies process-wide is its group's
+            values.update(group_values(values["worker_group"], self.group_tables, vars(self)))
         return ModelSettings(**values)
 
     def overrides_for(self, name: str) -> tuple[tuple[str, Any], ...]:
@@ -370,7 +381,7 @@ class Settings:
 
 # What a [models.<name>] table may set; everything else is server-wide.
 PER_MODEL_KEYS = ("gpu_memory", "gpus", "max_batch_size", "max_batch_delay_ms", "inference_threads", "max_queue",
-                  "idle_unload_s", "preload", "precision", "parity_gate")
+                  "idle_unload_s", "preload", "precision", "parity_gate", "worker_group")
 
 
 @dataclass(frozen=True)
@@ -387,6 +398,7 @@ class ModelSettings:
     preload: bool
     precision: str
     parity_gate: bool
+    worker_group: str = ""
 
 
 def env_name(name: str) -> str:
@@ -404,7 +416,7 @@ SETTING_GROUPS = (
     ("Listening", ("host", "port", "grpc_port", "tls_cert_file", "tls_key_file", "listen_backlog")),
     ("Models", ("model", "model_repository", "default_model")),
     ("GPU memory", ("gpu_memory", "gpus", "gpu_total_mib", "gpu_overhead_mib")),
-    ("Model workers", ("preload", "spare_workers", "idle_unload_s", "model_poll_s", "load_timeout_s", "max_failures",
+    ("Model workers", ("preload", "worker_group", "spare_workers", "idle_unload_s", "model_poll_s", "load_timeout_s", "max_failures",
                        "failure_window_s", "restart_backoff_s")),
     ("Execution: precision", ("precision", "parity_gate")),
     ("Requests and images", ("max_images_per_request", "default_threshold", "max_body_bytes", "max_image_pixels",
@@ -471,6 +483,10 @@ def load_settings(
             if key == "models":
                 values["model_overrides"] = _model_tables(raw, path, by_name)
                 continue
+            if key == "groups":
+                values["group_tables"] = parse_group_tables(
+                    raw, path, lambda name, value, source: _parse(by_name[name], value, source))
+                continue
             if key not in by_name:
                 raise ConfigError(
                     f"config file {path} has unknown setting {key!r}; known settings: {', '.join(by_name)}"
@@ -503,6 +519,8 @@ def load_settings(
         (model, tuple((key, value) for key, value in entries if key not in given))
         for model, entries in values.get("model_overrides", ())
     )
+    server_wide = {**{f.name: f.default for f in setting_fields()}, **values}
+    check_group_conflicts(values["model_overrides"], values.get("group_tables", ()), server_wide, path)
     if bool(values.get("tls_cert_file")) != bool(values.get("tls_key_file")):
         raise ConfigError("HTTPS needs both DETECT_TLS_CERT_FILE (--tls-cert-file) and DETECT_TLS_KEY_FILE "
                           "(--tls-key-file), or neither")
