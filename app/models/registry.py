@@ -99,13 +99,18 @@ class ModelRegistry:
         """
         trial = Ledger(self.gpus or [], self.settings.gpu_overhead_mib)
         with self.lock:
+            counted = set()  # a worker group's budget is counted once, for its first member
             for model in list(self._preloaded):
-                short = trial.reserve(model.name, model.name, self.caps_for(model))
+                if budget_key(model) in counted:
+                    model.begin_boot_load()
+                    continue
+                short = trial.reserve(budget_key(model), model.name, self.caps_for(model))
                 if short is not None:
                     self._preloaded.remove(model)
                     log.warning("model %s is not preloaded: %s beside %s; it loads at its first request", model.name,
                                 short.describe(), ", ".join(short.holders) or "nothing")
                     continue
+                counted.add(budget_key(model))
                 model.begin_boot_load()
         self.pool.start()
         self._supervisor.start()
