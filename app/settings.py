@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
 from .gpu.memory_policy import MemorySpec, parse_gpu_list, parse_memory_spec
-from .settings_groups import check_group_conflicts, group_name, group_values, parse_group_tables
+from .settings_groups import GROUP_KEYS, check_group_conflicts, group_name, group_values, parse_tables
 
 ENV_PREFIX = "DETECT_"
 DEFAULT_CONFIG = Path("config/default.toml")
@@ -384,6 +384,10 @@ PER_MODEL_KEYS = ("gpu_memory", "gpus", "max_batch_size", "max_batch_delay_ms", 
                   "idle_unload_s", "preload", "precision", "parity_gate", "worker_group")
 
 
+# The TOML file's tables: section -> (the Settings field they fill, the keys a table may set, what it names).
+TABLES = {"models": ("model_overrides", PER_MODEL_KEYS, "model"), "groups": ("group_tables", GROUP_KEYS, "worker group")}
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """The settings one model's worker and queue run with."""
@@ -480,12 +484,10 @@ def load_settings(
     path = config_path if config_path is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     if path is not None:
         for key, raw in _read_toml(Path(path)).items():
-            if key == "models":
-                values["model_overrides"] = _model_tables(raw, path, by_name)
-                continue
-            if key == "groups":
-                values["group_tables"] = parse_group_tables(
-                    raw, path, lambda name, value, source: _parse(by_name[name], value, source))
+            if key in TABLES:
+                field_name, keys, what = TABLES[key]
+                values[field_name] = parse_tables(
+                    key, raw, path, keys, lambda name, value, source: _parse(by_name[name], value, source), what)
                 continue
             if key not in by_name:
                 raise ConfigError(
@@ -525,25 +527,6 @@ def load_settings(
         raise ConfigError("HTTPS needs both DETECT_TLS_CERT_FILE (--tls-cert-file) and DETECT_TLS_KEY_FILE "
                           "(--tls-key-file), or neither")
     return Settings(**values)
-
-
-def _model_tables(tables: Any, path: Path, by_name: dict) -> tuple:
-    """Parse the [models.<name>] tables of a TOML file into (name, ((key, value), ...)) pairs."""
-    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
-        raise ConfigError(f"config file {path}: 'models' must hold one [models.<name>] table per model")
-    parsed = []
-    for name, table in tables.items():
-        if not MODEL_NAME.match(name):
-            raise ConfigError(f"config file {path}: [models.{name}] does not name a model: "
-                              "letters, digits, '.', '_' or '-', at most 63")
-        entries = []
-        for key, raw in table.items():
-            if key not in PER_MODEL_KEYS:
-                raise ConfigError(f"config file {path}: [models.{name}] has unknown key {key!r}; "
-                                  f"a model's table may set {', '.join(PER_MODEL_KEYS)}")
-            entries.append((key, _parse(by_name[key], raw, f"{key} in [models.{name}] of {path}")))
-        parsed.append((name, tuple(entries)))
-    return tuple(parsed)
 
 
 def check_model_names(settings: Settings, known: list[str], config: Optional[Path] = None) -> list[str]:

@@ -21,7 +21,7 @@ from .errors import ConfigError
 
 # What a [groups.<name>] table may set: what its worker applies process-wide, and so what no member may differ in.
 GROUP_KEYS = ("gpu_memory", "gpus")
-GROUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+GROUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # as a model's name
 
 
 def group_name(value: Any) -> str:
@@ -32,21 +32,26 @@ def group_name(value: Any) -> str:
     return name
 
 
-def parse_group_tables(tables: Any, path: Path, parse: Callable[[str, Any, str], Any]) -> tuple:
-    """Parse the [groups.<name>] tables into (name, ((key, value), ...)) pairs; `parse(key, raw, source)`."""
+def parse_tables(section: str, tables: Any, path: Path, keys: tuple[str, ...],
+                 parse: Callable[[str, Any, str], Any], what: str) -> tuple:
+    """Parse a TOML file's [<section>.<name>] tables into (name, ((key, value), ...)) pairs, each key one of `keys`.
+
+    `parse(key, raw, source)` parses one value; `what` is what a table's name names (a model, a group).
+    Used for [models.<name>] and [groups.<name>] alike.
+    """
     if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
-        raise ConfigError(f"config file {path}: 'groups' must hold one [groups.<name>] table per worker group")
+        raise ConfigError(f"config file {path}: {section!r} must hold one [{section}.<name>] table per {what}")
     parsed = []
     for name, table in tables.items():
         if not GROUP_NAME.match(name):
-            raise ConfigError(f"config file {path}: [groups.{name}] does not name a group: "
+            raise ConfigError(f"config file {path}: [{section}.{name}] does not name a {what}: "
                               "letters, digits, '.', '_' or '-', at most 63")
         entries = []
         for key, raw in table.items():
-            if key not in GROUP_KEYS:
-                raise ConfigError(f"config file {path}: [groups.{name}] has unknown key {key!r}; a group's table "
-                                  f"may set {', '.join(GROUP_KEYS)} (what its one worker applies process-wide)")
-            entries.append((key, parse(key, raw, f"{key} in [groups.{name}] of {path}")))
+            if key not in keys:
+                raise ConfigError(f"config file {path}: [{section}.{name}] has unknown key {key!r}; "
+                                  f"a {what}'s table may set {', '.join(keys)}")
+            entries.append((key, parse(key, raw, f"{key} in [{section}.{name}] of {path}")))
         parsed.append((name, tuple(entries)))
     return tuple(parsed)
 

@@ -70,11 +70,11 @@ def test_a_member_repeating_its_groups_value_is_no_conflict(tmp_path):
 
 @pytest.mark.parametrize("text, fragment", [
     ("[groups.small]\nmax_queue = 3\n", "[groups.small] has unknown key 'max_queue'"),
-    ("[groups.'bad name']\ngpu_memory = '1GiB'\n", "does not name a group"),
+    ("[groups.'bad name']\ngpu_memory = '1GiB'\n", "does not name a worker group"),
     ("[models.shapes]\nworker_group = 'a b'\n", "expected a group name"),
 ])
 def test_a_bad_group_table_is_refused(tmp_path, text, fragment):
-    with pytest.raises(ConfigError, match=None) as caught:
+    with pytest.raises(ConfigError) as caught:
         load_settings(config_path=_config(tmp_path, text), environ={})
     assert fragment in caught.value.message
 
