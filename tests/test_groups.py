@@ -82,6 +82,7 @@ def test_two_members_are_served_by_one_worker_each_answering_and_unloaded_one_at
             status, _, answer = server.request("POST", f"/models/{name}/detect", image, PNG)
             assert status == 200 and _classes(answer) == classes and answer["model"]["name"] == name, answer
         group_pid = alpha["pid"]
+        _shows_the_group(server, group_pid)
 
         assert server.request("POST", "/v2/repository/models/alpha/unload")[0] == 200
         status, _, answer = server.request("POST", "/models/beta/detect", BLUE, PNG)
@@ -102,6 +103,28 @@ def test_two_members_are_served_by_one_worker_each_answering_and_unloaded_one_at
         assert models["alpha"]["pid"] == models["beta"]["pid"] not in (group_pid, None)
     finally:
         assert server.stop() == 0
+
+
+def _shows_the_group(server, pid: int) -> None:
+    """/gpu lists the group with its members, its one pid and one overhead; the metrics and the history name it."""
+    (group,) = server.request("GET", "/gpu")[2]["groups"]
+    assert group["name"] == "pair" and group["members"] == group["loaded"] == ["alpha", "beta"], group
+    assert group["pid"] == pid and group["overhead_mib"] == 1024
+    metrics = server.request("GET", "/metrics")[2].decode()
+    for name in ("alpha", "beta"):
+        assert f'detect_model_worker_group_info{{group="pair",model="{name}",pid="{pid}"}} 1.0' in metrics
+    assert "detect_model_worker_group_info{" + 'group="",model="gamma"' not in metrics
+
+    def series() -> dict:
+        return {(s["kind"], s["name"]): s for s in server.request("GET", "/gpu/history")[2]["series"]}
+
+    def sampled() -> bool:
+        found = series().get(("group", "pair"))
+        return found is not None and found["samples"][-1][3] == "alpha, beta loaded" and found["samples"][-1][1] > 0
+
+    wait_for(sampled, 10, "the group's memory series, both loaded")
+    kinds = series()
+    assert ("model", "alpha") not in kinds and ("model", "gamma") in kinds  # the group's memory is not split
 
 
 class Traffic:

@@ -199,7 +199,7 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     registry_box: dict = {}
     gpu = GpuReport(nvml, nvml_reason, selected=settings.gpus, overhead_mib=settings.gpu_overhead_mib,
                     workers=lambda: registry_box["registry"].workers(), fleet_state=settings.fleet_state,
-                    instance_name=settings.instance_name)
+                    instance_name=settings.instance_name, groups=lambda: registry_box["registry"].groups())
     metrics = ServiceMetrics(gpu)
     registry = ModelRegistry(settings, repository, gpus, metrics=metrics, nvml=nvml)
     registry_box["registry"] = registry
