@@ -110,6 +110,10 @@ def _shows_the_group(server, pid: int) -> None:
     (group,) = server.request("GET", "/gpu")[2]["groups"]
     assert group["name"] == "pair" and group["members"] == group["loaded"] == ["alpha", "beta"], group
     assert group["pid"] == pid and group["overhead_mib"] == 1024
+    config = server.request("GET", "/v2/models/alpha/config")[2]  # Triton's model configuration
+    assert config["instance_group"][0]["name"] == "pair"
+    assert config["parameters"] == {"worker_group": {"string_value": "pair"}}
+    assert "parameters" not in server.request("GET", "/v2/models/gamma/config")[2]
     metrics = server.request("GET", "/metrics")[2].decode()
     for name in ("alpha", "beta"):
         assert f'detect_model_worker_group_info{{group="pair",model="{name}",pid="{pid}"}} 1.0' in metrics
