@@ -109,7 +109,7 @@ def check_crashes(records: list[dict], faults: list[dict], deadline_s: Optional[
         if fault["fault"] != "kill-worker" or "model" not in fault:
             continue
         for r in records:
-            if r.get("model") != fault["model"] or "ms" not in r:
+            if r.get("model") not in fault.get("models", [fault["model"]]) or "ms" not in r:
                 continue
             if r["rel_t"] < fault["t"] < r["rel_t"] + r["ms"] / 1000:
                 in_flight += 1
