@@ -404,10 +404,10 @@ class ServedModel:
             self._lock.notify_all()
         if worker is not None:
             worker.drain(max(0.0, deadline - time.monotonic()))
-            worker.stop(10.0)
+            exited = worker.stop(10.0) is not None  # a group's worker serves on while it has other members
             self._metrics.unloaded(reason)
-            log.info("model %s version %s unloaded (%s); worker %d exited", self.name,
-                     self.version.version if self.version else "?", reason, worker.pid)
+            log.info("model %s version %s unloaded (%s); worker %d %s", self.name, self.version.version if self.version
+                     else "?", reason, worker.pid, "exited" if exited else "released it and serves its group")
         with self._lock:
             self.state = "unloaded"
             self._lock.notify_all()
