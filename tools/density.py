@@ -131,12 +131,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (host, gpu) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for layout, marker in (("a worker each", "o"), ("one group", "s")):
+    for layout, marker, colour in (("a worker each", "o", "C0"), ("one group", "s", "C1")):
         mine = [r for r in rows if r["layout"] == layout]
         ns = [r["n"] for r in mine]
-        host.plot(ns, [r["pss_per_model_mib"] for r in mine], marker=marker, label=f"{layout} (PSS)")
-        host.plot(ns, [r["rss_per_model_mib"] for r in mine], marker=marker, linestyle=":", label=f"{layout} (RSS)")
-        gpu.plot(ns, [r["planned_gpu_per_model_mib"] for r in mine], marker=marker, label=layout)
+        host.plot(ns, [r["pss_per_model_mib"] for r in mine], marker=marker, color=colour, label=f"{layout} (PSS)")
+        host.plot(ns, [r["rss_per_model_mib"] for r in mine], marker=marker, color=colour, linestyle=":",
+                  label=f"{layout} (RSS)")
+        gpu.plot(ns, [r["planned_gpu_per_model_mib"] for r in mine], marker=marker, color=colour, label=layout)
     for axis, title in ((host, "host memory per model (MiB)"), (gpu, "planned GPU memory per model (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_xticks([r["n"] for r in rows if r["layout"] == "one group"])
