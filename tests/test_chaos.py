@@ -196,3 +196,9 @@ def test_a_run_may_put_models_in_one_worker_group_and_a_kill_of_its_worker_is_ev
                _record(4.9, model="faces", ms=500.0, status=503)]
     problems, in_flight = chaos_report.check_crashes(records, faults)
     assert in_flight == 1 and len(problems) == 1 and "for shapes" in problems[0]
+
+
+def test_a_worker_groups_worker_holds_lanes_for_each_of_its_models():
+    sample = _sample(10.0, ["shapes", "faces"], lanes=6)
+    sample["models"] = {"shapes": {"pid": 1000}, "objects": {"pid": 1000}, "faces": {"pid": 1001}}
+    assert chaos_report._lane_holders(sample) == 3  # 2 lanes each: 6 mapped is no leak

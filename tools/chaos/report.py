@@ -182,8 +182,12 @@ def check_leaks(samples: list[dict], result: dict) -> tuple[list[str], dict]:
 
 
 def _lane_holders(sample: dict) -> int:
-    """Children that may hold lanes: the workers, and the dead ones not yet reaped (whose lanes close after)."""
-    return len(workers_in(sample)) + sum(1 for c in sample["children"].values() if c["state"] == "Z")
+    """Models that may hold lanes: one per worker, or per model a worker group's worker serves, and the dead
+    workers not yet reaped (whose lanes close after)."""
+    served = Counter(m["pid"] for m in sample.get("models", {}).values() if m.get("pid"))
+    workers = [pid for pid, c in sample["children"].items() if c in workers_in(sample)]
+    return (sum(max(1, served.get(int(pid), 0)) for pid in workers)
+            + sum(1 for c in sample["children"].values() if c["state"] == "Z"))
 
 
 def _spares(sample: dict) -> int:
