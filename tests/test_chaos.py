@@ -202,3 +202,9 @@ def test_a_worker_groups_worker_holds_lanes_for_each_of_its_models():
     sample = _sample(10.0, ["shapes", "faces"], lanes=6)
     sample["models"] = {"shapes": {"pid": 1000}, "objects": {"pid": 1000}, "faces": {"pid": 1001}}
     assert chaos_report._lane_holders(sample) == 3  # 2 lanes each: 6 mapped is no leak
+
+
+def test_a_client_that_hangs_up_on_purpose_during_a_kill_is_not_a_crash_problem():
+    faults = [{"t": 5.0, "fault": "kill-worker", "model": "shapes", "pid": 1, "models": ["objects", "shapes"]}]
+    records = [_record(4.9, kind="grpc-hang-up", model="shapes", ms=500.0, status=499, expected=[499])]
+    assert chaos_report.check_crashes(records, faults) == ([], 0)
