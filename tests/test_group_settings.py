@@ -88,3 +88,14 @@ def test_a_conflicting_member_stops_the_server_at_boot_with_status_2(tmp_path):
     line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
     assert str(path) in line and "shapes" in line and "gpu_memory" in line and "[groups.small]" in line
     assert "Traceback" not in result.stderr
+
+
+def test_a_greedy_group_is_not_refused_for_its_members_sharing_one_gpu(tmp_path):
+    from app.hosting.serve import check_shared_policies
+
+    settings = load_settings(config_path=_config(tmp_path, GROUPED.replace('gpu_memory = "{cap}"', "")
+                                                 .replace('gpu_memory = "3GiB"', 'gpu_memory = "greedy"')),
+                             environ={})
+    check_shared_policies(settings, ["faces", "shapes"])  # one worker: nothing to budget beside it
+    with pytest.raises(ConfigError, match="may share a GPU with model"):
+        check_shared_policies(settings, ["faces", "shapes", "objects"])

@@ -236,7 +236,8 @@ def check_shared_policies(settings: Settings, names: list[str]) -> None:
             continue
         for other in names:
             theirs = settings.for_model(other).gpus
-            if other == name or theirs == ():
+            same_group = own.worker_group and own.worker_group == settings.for_model(other).worker_group
+            if other == name or theirs == () or same_group:  # its group's models share its one worker and policy
                 continue
             if own.gpus is None or theirs is None or set(own.gpus) & set(theirs):
                 what = ("maps nearly all of the GPU at start" if own.gpu_memory.mode == "greedy"
