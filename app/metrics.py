@@ -201,8 +201,13 @@ class _ModelCollector:
         execution = GaugeMetricFamily("detect_model_precision_info", "1 for the precision the model's loaded "
                                       "version computes at, with the parity gate's word (passed, failed, skipped, "
                                       "none).", labels=("model", "version", "precision", "asked", "gate"))
+        group = GaugeMetricFamily("detect_model_worker_group_info", "1 for each model of a worker group, with the "
+                                  "group and the pid of its one worker ('' while none runs).",
+                                  labels=("model", "group", "pid"))
         for row in self._models.describe():
             name = row["name"]
+            if row.get("worker_group"):
+                group.add_metric((name, row["worker_group"], str(row["pid"] or "")), 1.0)
             executes = row.get("execution")
             if executes and row["pid"]:
                 execution.add_metric((name, str(row["version"]), executes["precision"], executes["asked"],
@@ -218,7 +223,7 @@ class _ModelCollector:
             used = [g.get("current_mib") for g in held.get("tensorflow", [])] if held else []
             if used and all(u is not None for u in used):
                 tensorflow.add_metric((name,), sum(used) * MIB)
-        yield from (loaded, depth, memory, cap, tensorflow, execution)
+        yield from (loaded, depth, memory, cap, tensorflow, execution, group)
 
 
 class _GpuMemoryCollector:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
 from .gpu.memory_policy import MemorySpec, parse_gpu_list, parse_memory_spec
+from .settings_groups import GROUP_KEYS, check_group_conflicts, group_name, group_values, parse_tables
 
 ENV_PREFIX = "DETECT_"
 DEFAULT_CONFIG = Path("config/default.toml")
@@ -316,6 +317,12 @@ class Settings:
         300.0, _float_in(0.0, 30 * 86400.0), "unload a model idle this long, giving its memory back (s; 0: never)"
     )
     preload: bool = _setting(True, _bool, "load models at boot (false: at their first request)")
+    # '': a worker per model, the isolation of a crash and a cap per model; a name shares one worker, its CUDA
+    # context and one cap with the other models that name it ([groups.<name>], app/settings_groups.py).
+    worker_group: str = _setting(
+        "", group_name, "the worker group a model runs in: models naming the same group share one worker process "
+        "and its [groups.<name>] cap ('': a worker of its own)"
+    )
     # Execution accelerators (docs/concepts/precision.md). auto, because where it picks nothing it is fp32 at no
     # cost, and where it picks bf16 it was 1.3 to 1.55x fp32's speed for objects and shapes here at batch 4 and
     # 16, with the same answers (docs/measured.md#precision). Faces was slower in bf16, so auto also times its
@@ -356,11 +363,15 @@ class Settings:
     )
     # [models.<name>] tables of the TOML file: per-model overrides of PER_MODEL_KEYS, parsed.
     model_overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(default=(), metadata={})
+    # [groups.<name>] tables: each worker group's process-wide settings (GROUP_KEYS), parsed.
+    group_tables: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(default=(), metadata={})
 
     def for_model(self, name: str) -> "ModelSettings":
         """Return the settings of one model: the server-wide values, then its [models.<name>] table."""
         values = {key: getattr(self, key) for key in PER_MODEL_KEYS}
         values.update(dict(self.overrides_for(name)))
+        if values["worker_group"]:  # what its worker applies process-wide is its group's
+            values.update(group_values(values["worker_group"], self.group_tables, vars(self)))
         return ModelSettings(**values)
 
     def overrides_for(self, name: str) -> tuple[tuple[str, Any], ...]:
@@ -370,7 +381,11 @@ class Settings:
 
 # What a [models.<name>] table may set; everything else is server-wide.
 PER_MODEL_KEYS = ("gpu_memory", "gpus", "max_batch_size", "max_batch_delay_ms", "inference_threads", "max_queue",
-                  "idle_unload_s", "preload", "precision", "parity_gate")
+                  "idle_unload_s", "preload", "precision", "parity_gate", "worker_group")
+
+
+# The TOML file's tables: section -> (the Settings field they fill, the keys a table may set, what it names).
+TABLES = {"models": ("model_overrides", PER_MODEL_KEYS, "model"), "groups": ("group_tables", GROUP_KEYS, "worker group")}
 
 
 @dataclass(frozen=True)
@@ -387,6 +402,7 @@ class ModelSettings:
     preload: bool
     precision: str
     parity_gate: bool
+    worker_group: str = ""
 
 
 def env_name(name: str) -> str:
@@ -404,7 +420,7 @@ SETTING_GROUPS = (
     ("Listening", ("host", "port", "grpc_port", "tls_cert_file", "tls_key_file", "listen_backlog")),
     ("Models", ("model", "model_repository", "default_model")),
     ("GPU memory", ("gpu_memory", "gpus", "gpu_total_mib", "gpu_overhead_mib")),
-    ("Model workers", ("preload", "spare_workers", "idle_unload_s", "model_poll_s", "load_timeout_s", "max_failures",
+    ("Model workers", ("preload", "worker_group", "spare_workers", "idle_unload_s", "model_poll_s", "load_timeout_s", "max_failures",
                        "failure_window_s", "restart_backoff_s")),
     ("Execution: precision", ("precision", "parity_gate")),
     ("Requests and images", ("max_images_per_request", "default_threshold", "max_body_bytes", "max_image_pixels",
@@ -468,8 +484,10 @@ def load_settings(
     path = config_path if config_path is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     if path is not None:
         for key, raw in _read_toml(Path(path)).items():
-            if key == "models":
-                values["model_overrides"] = _model_tables(raw, path, by_name)
+            if key in TABLES:
+                field_name, keys, what = TABLES[key]
+                values[field_name] = parse_tables(
+                    key, raw, path, keys, lambda name, value, source: _parse(by_name[name], value, source), what)
                 continue
             if key not in by_name:
                 raise ConfigError(
@@ -503,29 +521,12 @@ def load_settings(
         (model, tuple((key, value) for key, value in entries if key not in given))
         for model, entries in values.get("model_overrides", ())
     )
+    server_wide = {**{f.name: f.default for f in setting_fields()}, **values}
+    check_group_conflicts(values["model_overrides"], values.get("group_tables", ()), server_wide, path)
     if bool(values.get("tls_cert_file")) != bool(values.get("tls_key_file")):
         raise ConfigError("HTTPS needs both DETECT_TLS_CERT_FILE (--tls-cert-file) and DETECT_TLS_KEY_FILE "
                           "(--tls-key-file), or neither")
     return Settings(**values)
-
-
-def _model_tables(tables: Any, path: Path, by_name: dict) -> tuple:
-    """Parse the [models.<name>] tables of a TOML file into (name, ((key, value), ...)) pairs."""
-    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
-        raise ConfigError(f"config file {path}: 'models' must hold one [models.<name>] table per model")
-    parsed = []
-    for name, table in tables.items():
-        if not MODEL_NAME.match(name):
-            raise ConfigError(f"config file {path}: [models.{name}] does not name a model: "
-                              "letters, digits, '.', '_' or '-', at most 63")
-        entries = []
-        for key, raw in table.items():
-            if key not in PER_MODEL_KEYS:
-                raise ConfigError(f"config file {path}: [models.{name}] has unknown key {key!r}; "
-                                  f"a model's table may set {', '.join(PER_MODEL_KEYS)}")
-            entries.append((key, _parse(by_name[key], raw, f"{key} in [models.{name}] of {path}")))
-        parsed.append((name, tuple(entries)))
-    return tuple(parsed)
 
 
 def check_model_names(settings: Settings, known: list[str], config: Optional[Path] = None) -> list[str]:

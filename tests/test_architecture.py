@@ -20,7 +20,7 @@ LAYERS = {
     "app": 0, "app.errors": 0, "app.access": 0, "app.timeline": 0, "app.process": 0, "app.supervision": 0,
     "app.cancellation": 0,
     "app.gpu": 1, "app.inference": 1, "app.vision": 1, "app.metrics": 1,
-    "app.settings": 2,
+    "app.settings": 2, "app.settings_groups": 2,
     "app.models": 3,
     "app.protocol": 4,
     "app.http": 5, "app.grpc": 5,

@@ -254,3 +254,33 @@ def test_on_a_real_gpu_calibration_recommends_a_cap_that_holds(blob_model_dir, t
     assert result.returncode == 0, result.stderr
     assert "recommended cap:" in result.stdout and (tmp_path / "p.png").exists()
     assert load_settings(config_path=tmp_path / "t.toml", environ={}).gpu_memory.mode == "cap"
+
+
+def test_a_worker_groups_cap_is_its_members_peaks_summed_plus_headroom(blob_model_dir, tmp_path, capsys):
+    from app.fleet.calibrate import PhaseResult, Sample
+
+    for name in ("alpha", "beta", "other"):
+        shutil.copytree(blob_model_dir / "2", tmp_path / "repo" / name / "1")
+    settings_file = tmp_path / "group.toml"
+    settings_file.write_text(f'model_repository = "{tmp_path / "repo"}"\n[models.alpha]\nworker_group = "pair"\n'
+                             '[models.beta]\nworker_group = "pair"\n')
+    peaks = {"alpha": 100.0, "beta": 150.0}
+    asked = []
+
+    def run_phase(spec, model, gpu, batch, width, height, requests, concurrent, execution):
+        asked.append((str(spec), os.path.basename(model)))
+        peak = peaks[os.path.basename(model)]
+        return PhaseResult(policy=str(spec), batch=batch, width=width, height=height,
+                           samples=[Sample(0.1, None, peak, peak)])
+
+    status = main(["--group", "pair", "--config", str(settings_file), "--write", str(settings_file)],
+                  run_phase=run_phase, nvml_library=FakeNvml(PID))
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert asked == [("growth", "alpha"), ("growth", "beta")]  # each member in a run of its own; not `other`
+    assert "recommended cap for the group: 300 MiB" in out  # (100 + 150) + 20%
+    written = load_settings(config_path=settings_file, environ={})
+    assert written.for_model("alpha").gpu_memory == written.for_model("beta").gpu_memory == MemorySpec("cap", cap_mib=300)
+    assert main(["--group", "nobody", "--config", str(settings_file)], run_phase=run_phase,
+                nvml_library=FakeNvml(PID)) == 2
+    assert main(["--group", "pair", "--model", "models/faces"], run_phase=run_phase, nvml_library=FakeNvml(PID)) == 2

@@ -188,3 +188,22 @@ def test_the_faults_drawn_can_be_chosen_and_a_kind_it_does_not_know_is_refused()
     for bad in ("burst", "burst=0", "burst=x", "meteor=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             chaos.fault_weights(bad)
+
+
+def test_a_run_may_put_models_in_one_worker_group_and_a_kill_of_its_worker_is_every_members():
+    assert chaos.group_of("shapes,objects") == ["shapes", "objects"]
+    for bad in ("shapes", "shapes,nope", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            chaos.group_of(bad)
+    faults = [{"t": 5.0, "fault": "kill-worker", "model": "objects", "pid": 1, "models": ["objects", "shapes"]}]
+    records = [_record(4.9, model="shapes", ms=500.0, status=503, error="model_unavailable"),
+               _record(4.9, model="faces", ms=500.0, status=503)]
+    problems, in_flight = chaos_report.check_crashes(records, faults)
+    assert in_flight == 1 and len(problems) == 1 and "for shapes" in problems[0]
+
+
+def test_a_worker_groups_worker_holds_lanes_for_each_of_its_models():
+    sample = _sample(10.0, ["shapes", "faces"], lanes=6)
+    sample["models"] = {"shapes": {"pid": 1000}, "objects": {"pid": 1000}, "faces": {"pid": 1001}}
+    assert chaos_report._lane_holders(sample) == 3  # 2 lanes each: 6 mapped is no leak
+

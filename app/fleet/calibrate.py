@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m app calibrate",
         description="Measure a model's GPU memory under a synthetic load and recommend a cap (needs a GPU).",
     )
-    parser.add_argument("--model", required=True, help="model base path or version folder, as DETECT_MODEL")
+    parser.add_argument("--model", help="model base path or version folder, as DETECT_MODEL (or --group)")
+    parser.add_argument("--group", metavar="NAME", help="a worker group: its cap from all its members' peaks")
     parser.add_argument("--max-batch", type=_positive, default=None, metavar="N",
                         help="images per model call (default: the max_batch_size setting, within the model's "
                              "batch dimension)")
@@ -354,8 +355,13 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
     from ..gpu.nvml import Nvml
     from ..settings import load_settings
 
+    if bool(args.model) == bool(args.group):
+        print("error: give --model or --group, not both", file=sys.stderr)
+        return 2
     try:
         settings = load_settings(config_path=args.config)
+        if args.group:
+            return _main_group(args, settings, run_phase, nvml_library)
         version = resolve_model(args.model)
         if args.plot is not None:
             require_extra("tools", "matplotlib", "--plot")  # asked for: say so before the measurement, not after
@@ -406,6 +412,41 @@ def main(argv: list[str], run_phase: Callable[..., PhaseResult] = run_phase_in_c
         except ConfigError as exc:
             print(f"error: {exc.message}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _main_group(args, settings, run_phase: Callable[..., PhaseResult], nvml_library) -> int:
+    """Calibrate a worker group: each member's growth peak, summed, plus headroom; write [groups.<name>]."""
+    from ..gpu.nvml import Nvml
+    from .calibrate_group import GROWTH, calibrate_group, group_members, report_group, write_group_cap
+
+    members = group_members(settings, args.group)  # ConfigError: exit 2 by the caller
+    try:
+        Nvml.open(nvml_library).close()
+    except NvmlUnavailable as exc:
+        print(f"error: {NEEDS_GPU} (with its NVIDIA driver), and this host has none: {exc.message}", file=sys.stderr)
+        return 2
+    side = math.isqrt(settings.max_image_pixels)
+    width, height = args.image_size or (side, side)
+
+    def growth(name: str, path: Path) -> float:
+        own = settings.for_model(name)
+        execution = {"asked": own.precision, "gate": own.parity_gate, "threshold": settings.default_threshold,
+                     "max_pixels": settings.max_image_pixels}
+        result = run_phase(GROWTH, str(path), args.gpu, args.max_batch or own.max_batch_size, width, height,
+                           args.requests, args.concurrent or own.inference_threads, execution)
+        if result.error is not None or result.tf_peak_mib is None:
+            raise CalibrationError(f"member {name}: {result.error or 'TensorFlow reported no memory figures'}")
+        return result.tf_peak_mib
+
+    try:
+        cap, peaks = calibrate_group(members, growth, args.headroom)
+    except CalibrationError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    print(report_group(args.group, cap, peaks, args.headroom))
+    if args.write is not None:
+        print(write_group_cap(args.write, args.group, cap, sum(peaks.values()), args.headroom))
     return 0
 
 
@@ -516,15 +557,9 @@ def _write_settings(text: str, cap: str, rec: Recommendation, name: str) -> str:
             lines[found[0]] = overhead
         else:
             lines.insert(first_table, overhead)
-    header = re.compile(rf"\s*\[\s*models\.(\"?){re.escape(name)}\1\s*\]")
-    start = next((i for i, line in enumerate(lines) if header.match(line)), None)
-    if start is None:
-        lines += ["", f"[models.{name}]", cap]
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if re.match(r"\s*\[", lines[i])), len(lines))
-        body = [line for line in lines[start + 1:end] if not re.match(r"\s*gpu_memory\s*=", line)]
-        lines[start + 1:end] = [cap, *body]
-    return "\n".join(lines) + "\n"
+    from .calibrate_group import set_gpu_memory
+
+    return set_gpu_memory(lines, "models", name, cap)
 
 
 def _write_fleet(path: Path, text: str, data: dict, cap: str, rec: Recommendation, model: str) -> str:

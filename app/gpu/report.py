@@ -50,7 +50,8 @@ class GpuReport:
     def __init__(self, nvml: Optional[Nvml], nvml_reason: Optional[str] = None,
                  selected: Optional[Sequence[int]] = None, workers: Callable[[], list[dict]] = list,
                  overhead_mib: int = 1024, fleet_state: Optional[str | Path] = None, instance_name: str = "",
-                 pid: Optional[int] = None, parent_of: Callable[[int], Optional[int]] = parent_pid):
+                 pid: Optional[int] = None, parent_of: Callable[[int], Optional[int]] = parent_pid,
+                 groups: Callable[[], list[dict]] = list):
         self.nvml = nvml
         self.nvml_reason = nvml_reason
         self.selected = None if selected is None else tuple(selected)
@@ -60,6 +61,7 @@ class GpuReport:
         self._fleet_state = Path(fleet_state) if fleet_state else None  # the fleet rewrites it; read per report
         self._instance_name = instance_name or None
         self._parent_of = parent_of
+        self._groups = groups  # the worker groups: members, the one worker's pid, its cap, its one overhead
 
     def devices(self) -> list[DeviceSnapshot]:
         """Return NVML snapshots of the server's GPUs; raise NvmlUnavailable without NVML."""
@@ -70,8 +72,9 @@ class GpuReport:
     def to_json(self) -> dict:
         workers = self._workers()
         report: dict = {"pid": self._pid, "instance": self._instance_name,
-                        "workers": [{k: w.get(k) for k in ("model", "version", "pid", "caps_mib", "policy")}
-                                    for w in workers]}
+                        "workers": [{k: w.get(k) for k in ("model", "version", "pid", "worker_group", "caps_mib",
+                                                                   "policy")} for w in workers],
+                        "groups": self._groups()}
         unavailable = self._unavailable_reason()
         devices: list[DeviceSnapshot] = []
         if unavailable is None:
@@ -86,7 +89,7 @@ class GpuReport:
         report["accounting"] = self.accounting(devices, workers, unavailable)
         if unavailable is not None:
             return {"available": False, "reason": unavailable, **report}
-        by_pid = {w["pid"]: w for w in workers}
+        by_pid = _by_pid(workers)
         return {
             "available": True,
             "driver_version": driver,
@@ -135,7 +138,7 @@ class GpuReport:
         """Attribute each process on the GPUs to a worker or instance, and size what each worker holds unused."""
         fleet, fleet_note = self.fleet()
         instances = fleet.by_pid() if fleet is not None else {}
-        by_pid = {w["pid"]: w for w in workers}
+        by_pid = _by_pid(workers)
         gpus = []
         for device in devices:
             rows = []
@@ -209,7 +212,21 @@ class GpuReport:
                 "source": source, "note": note, "gpus": rows}
 
 
+def _by_pid(workers: list[dict]) -> dict[int, dict]:
+    """Each worker process's row by pid; a worker group's one process names all its members' models."""
+    found: dict[int, dict] = {}
+    for worker in workers:
+        held = found.get(worker["pid"])
+        if held is None:
+            found[worker["pid"]] = dict(worker)
+        else:
+            held["model"] = f"{held['model']}, {worker['model']}"
+    return found
+
+
 def _model_text(worker: Optional[dict]) -> Optional[str]:
+    if worker is not None and worker.get("worker_group"):
+        return f"group {worker['worker_group']}: {worker['model']}"
     return None if worker is None else f"{worker['model']}/{worker['version']}"
 
 

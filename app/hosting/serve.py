@@ -199,7 +199,7 @@ def build(settings: Settings, config: Optional[Path] = None) -> Server:
     registry_box: dict = {}
     gpu = GpuReport(nvml, nvml_reason, selected=settings.gpus, overhead_mib=settings.gpu_overhead_mib,
                     workers=lambda: registry_box["registry"].workers(), fleet_state=settings.fleet_state,
-                    instance_name=settings.instance_name)
+                    instance_name=settings.instance_name, groups=lambda: registry_box["registry"].groups())
     metrics = ServiceMetrics(gpu)
     registry = ModelRegistry(settings, repository, gpus, metrics=metrics, nvml=nvml)
     registry_box["registry"] = registry
@@ -236,7 +236,8 @@ def check_shared_policies(settings: Settings, names: list[str]) -> None:
             continue
         for other in names:
             theirs = settings.for_model(other).gpus
-            if other == name or theirs == ():
+            same_group = own.worker_group and own.worker_group == settings.for_model(other).worker_group
+            if other == name or theirs == () or same_group:  # its group's models share its one worker and policy
                 continue
             if own.gpus is None or theirs is None or set(own.gpus) & set(theirs):
                 what = ("maps nearly all of the GPU at start" if own.gpu_memory.mode == "greedy"

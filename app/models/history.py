@@ -8,6 +8,8 @@ and /proc once per process, whatever number of clients watch. Each series is a b
   worker until it has exited), 0 while it has none. On a host whose workers may use a GPU, that is
   NVML's used GPU memory ("nvml"); elsewhere the workers' resident host memory ("rss"), as no GPU
   cap is enforced there. The state is the model's: unloaded, loading, ready, unloading or failed.
+- one per worker group ("group"), in place of its members': what its one worker holds, and which of
+  its members are loaded (the members share it; it is not split between them);
 - "server": the HTTP process's resident host memory (it never holds GPU memory: no TensorFlow);
 - "spares": the spare workers' resident memory (TensorFlow imported, no model, no GPU memory).
 
@@ -61,7 +63,7 @@ class MemoryHistory:
         with self._lock:
             series = [(kind, name, [list(s) for s in ring if since is None or s[0] > since])
                       for (kind, name), ring in self._series.items()]
-        order = {"model": 0, SERVER: 1, SPARES: 2}
+        order = {"model": 0, "group": 1, SERVER: 2, SPARES: 3}
         series.sort(key=lambda item: (order.get(item[0], 3), item[1]))
         return {
             "interval_s": self.interval_s,
@@ -79,25 +81,39 @@ def sample_memory(registry) -> list[tuple[str, str, Optional[float], str, str]]:
     """
     with registry.lock:
         states = {name: model.state for name, model in registry.models.items()}
+        grouped = {name: m.settings.worker_group for name, m in registry.models.items() if m.settings.worker_group}
+    grouped_members: dict[str, list[str]] = {}
+    for name, group in sorted(grouped.items()):
+        grouped_members.setdefault(group, []).append(name)
     spares = {w.pid for w in registry.pool.spares()}
     by_model: dict[str, list] = {name: [] for name in states}
     spare_workers = []
+    by_group: dict[str, list] = {}
     for worker in registry.pool.workers():
         if worker.exit_code is not None:
             continue
         if worker.pid in spares:
             spare_workers.append(worker)
+        elif worker.group:
+            by_group.setdefault(worker.group, []).append(worker)
         elif worker.model is not None and worker.model.name in by_model:
             by_model[worker.model.name].append(worker)
     on_gpu = registry.nvml is not None and bool(registry.gpus)
     gpu_used = registry.gpu_processes() if on_gpu else {}
+
+    def held(workers: list) -> float:
+        if on_gpu:
+            return float(sum(sum(gpu_used.get(w.pid, {}).values()) for w in workers))
+        return float(sum(rss_mib(w.pid) or 0.0 for w in workers))
+
     rows = []
     for name, workers in sorted(by_model.items()):
-        if on_gpu:
-            used = sum(sum(gpu_used.get(w.pid, {}).values()) for w in workers)
-        else:
-            used = sum(rss_mib(w.pid) or 0.0 for w in workers)
-        rows.append(("model", name, float(used), "nvml" if on_gpu else "rss", states[name]))
+        if name not in grouped:
+            rows.append(("model", name, held(workers), "nvml" if on_gpu else "rss", states[name]))
+    for group, members in sorted(grouped_members.items()):
+        loaded = [n for n in members if states[n] in ("ready", "unloading")]
+        rows.append(("group", group, held(by_group.get(group, [])), "nvml" if on_gpu else "rss",
+                     f"{', '.join(loaded) or 'none'} loaded"))
     rows.append((SERVER, SERVER, rss_mib(os.getpid()), "rss", "running"))
     rows.append((SPARES, SPARES, float(sum(rss_mib(w.pid) or 0.0 for w in spare_workers)), "rss",
                  f"{len(spare_workers)} spare" + ("" if len(spare_workers) == 1 else "s")))

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..supervision import RestartRule
     from .repository import ModelVersion
     from .served import ServedModel
-    from .workers import WorkerProcess
+    from .member import Member
 
 
 class ModelHost(Protocol):
@@ -40,8 +40,10 @@ class ModelHost(Protocol):
     metrics: Optional[ServiceMetrics]
     restart_rule: RestartRule  # when a crashed worker restarts, and when its model is given up
 
-    def start_worker(self, model: ServedModel, version: ModelVersion, evict: bool) -> WorkerProcess:
+    def start_worker(self, model: ServedModel, version: ModelVersion, evict: bool) -> Member:
         """Reserve the model's budget (evicting idle models if `evict`), start a worker, load `version` in it.
+
+        A member of a worker group loads into its group's worker where one runs; the budget is the group's.
 
         Called outside the lock, in the thread that loads; raises the load's DetectError.
         """

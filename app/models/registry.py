@@ -48,6 +48,7 @@ from ..settings import Settings
 from ..supervision import RestartRule
 from .history import MemoryHistory, sample_memory
 from .repository import ModelRepository, ModelVersion
+from .member import Member
 from .served import ServedModel
 from .workers import WorkerPool, WorkerProcess
 
@@ -82,6 +83,8 @@ class ModelRegistry:
         # The budget reservation of a worker that crashed, by model name, kept for its restart so that no other
         # model's load takes the place it is owed (the calls it had run again on the successor).
         self._kept: dict[str, object] = {}
+        self._group_workers: dict[str, WorkerProcess] = {}  # each worker group's running worker, by group
+        self._group_locks: dict[str, threading.Lock] = {}  # one load at a time per group
         self.history = MemoryHistory()  # the last minutes of memory per model, sampled by the supervisor
         if metrics is not None:
             metrics.watch_models(self)
@@ -96,13 +99,18 @@ class ModelRegistry:
         """
         trial = Ledger(self.gpus or [], self.settings.gpu_overhead_mib)
         with self.lock:
+            counted = set()  # a worker group's budget is counted once, for its first member
             for model in list(self._preloaded):
-                short = trial.reserve(model.name, model.name, self.caps_for(model))
+                if budget_key(model) in counted:
+                    model.begin_boot_load()
+                    continue
+                short = trial.reserve(budget_key(model), model.name, self.caps_for(model))
                 if short is not None:
                     self._preloaded.remove(model)
                     log.warning("model %s is not preloaded: %s beside %s; it loads at its first request", model.name,
                                 short.describe(), ", ".join(short.holders) or "nothing")
                     continue
+                counted.add(budget_key(model))
                 model.begin_boot_load()
         self.pool.start()
         self._supervisor.start()
@@ -193,11 +201,29 @@ class ModelRegistry:
         gpus = [g for g in self.gpus if wanted is None or g.index in wanted]
         return {g.index: cap_mib(model.settings.gpu_memory, g) for g in gpus}
 
-    def start_worker(self, model: ServedModel, version: ModelVersion, evict: bool) -> WorkerProcess:
-        """Reserve the model's budget (evicting idle models if allowed), start a worker and load `version` in it."""
+    def start_worker(self, model: ServedModel, version: ModelVersion, evict: bool) -> Member:
+        """Reserve the model's budget (evicting idle models if allowed), start a worker and load `version` in it.
+
+        A member of a worker group loads into its group's worker where one runs (the group's budget is held
+        once, by that worker), and else starts it; one load at a time per group.
+        """
+        group = model.settings.worker_group
+        if not group:
+            return self._load_in(None, model, version, evict)
+        with self.lock:
+            group_lock = self._group_locks.setdefault(group, threading.Lock())
+        with group_lock:
+            with self.lock:
+                worker = self._group_workers.get(group)
+            if worker is not None and worker.alive:
+                return self._load(worker, model, version, time.monotonic())
+            return self._load_in(group, model, version, evict)
+
+    def _load_in(self, group: Optional[str], model: ServedModel, version: ModelVersion, evict: bool) -> Member:
+        """Reserve the budget of a new worker (the model's, or its group's), take a spare and load `version`."""
         caps = self.caps_for(model)
         with self.lock:  # a restart takes the place its crashed predecessor held
-            key = self._kept.pop(model.name, None)
+            key = self._kept.pop(budget_key(model), None)
         if key is None:
             key = self._reserve(model, version, caps, evict)
         reserved_at = time.monotonic()
@@ -206,33 +232,42 @@ class ModelRegistry:
         except DetectError:
             self.ledger.release(key)
             raise
-        worker.reservation, worker.reserved_at = key, reserved_at
+        worker.reservation, worker.group = key, group
+        if group:
+            with self.lock:
+                self._group_workers[group] = worker
+        return self._load(worker, model, version, reserved_at)
+
+    def _load(self, worker: WorkerProcess, model: ServedModel, version: ModelVersion, reserved_at: float) -> Member:
         try:
-            worker.load(version, {"gpu_memory": str(model.settings.gpu_memory),
-                                  "gpus": _gpus_text(model.settings.gpus),
-                                  "precision": model.settings.precision, "parity_gate": model.settings.parity_gate,
-                                  "threshold": self.settings.default_threshold,
-                                  "max_image_pixels": self.settings.max_image_pixels,
-                                  "settled": model.settled_for(version)},
-                        lanes=model.settings.inference_threads, timeout_s=self.settings.load_timeout_s)
+            member = worker.load(version, {"gpu_memory": str(model.settings.gpu_memory),
+                                           "gpus": _gpus_text(model.settings.gpus),
+                                           "precision": model.settings.precision,
+                                           "parity_gate": model.settings.parity_gate,
+                                           "threshold": self.settings.default_threshold,
+                                           "max_image_pixels": self.settings.max_image_pixels,
+                                           "settled": model.settled_for(version)},
+                                 lanes=model.settings.inference_threads, timeout_s=self.settings.load_timeout_s)
         except DetectError:
-            if not worker.wait(10.0):  # a failed load exits; its reservation goes with it
+            if not worker.members and not worker.wait(10.0):  # a failed first load exits; its reservation with it
                 worker.kill()
                 worker.wait(5.0)
             raise
-        return worker
+        member.reserved_at = reserved_at
+        return member
 
     def release_kept_budget(self, model: ServedModel) -> None:
         """Give back the budget kept for the model's restart, if one is kept (the model's side, under the lock)."""
-        key = self._kept.pop(model.name, None)
+        key = self._kept.pop(budget_key(model), None)
         if key is not None:
             self.ledger.release(key)
 
     def _reserve(self, model: ServedModel, version: ModelVersion, caps: dict, evict: bool) -> object:
+        group = model.settings.worker_group
         with self.lock:
             self._reservations += 1
-            key = (model.name, version.version, self._reservations)
-        label = f"{model.name}/{version.version}"
+            key = (budget_key(model), version.version, self._reservations)
+        label = f"group {group}" if group else f"{model.name}/{version.version}"
         give_up_at = None
         while True:
             short = self.ledger.reserve(key, label, caps)
@@ -247,9 +282,10 @@ class ModelRegistry:
                     time.sleep(min(ripe_in_s, 0.1))
                     continue
             if victim is None:
+                whose = f"its worker group {group}'s cap" if group else "its cap"
                 raise InsufficientGpuMemory(
-                    f"loading model {model.name} needs {short.needed_mib} MiB on GPU {short.gpu} (its cap plus "
-                    f"{self.ledger.overhead_mib} MiB overhead), and {short.available_mib} MiB of the budget are "
+                    f"loading model {model.name} needs {short.needed_mib} MiB on GPU {short.gpu} ({whose} plus "
+                    f"{self.ledger.overhead_mib} MiB overhead, once per worker), and {short.available_mib} MiB of the budget are "
                     "left" + (f", held by {', '.join(short.holders)}" if short.holders else "")
                     + "; no idle model can be unloaded to make room")
             log.info("model %s: unloading idle model %s to make room on GPU %d", model.name, victim.name,
@@ -275,16 +311,19 @@ class ModelRegistry:
             return None, min((m.last_load_s or 0.0) - seconds for seconds, m in candidates)
 
     def _worker_exited(self, worker: WorkerProcess, code: int) -> None:
-        """Called from a worker's reader thread once its exit is reaped: its model, then its budget.
+        """Called from a worker's reader thread once its exit is reaped: its models, then its budget.
 
-        The budget goes back, unless the worker crashed and its model restarts: then the restart keeps it.
+        The budget goes back, unless the worker crashed and its models restart: then the restart keeps it
+        (a group's, once, for whichever member restarts first).
         """
         kept = False
         with self.lock:
+            if worker.group and self._group_workers.get(worker.group) is worker:
+                del self._group_workers[worker.group]
             for model in self.models.values():
-                if model.worker_exited(worker, code) and worker.reservation is not None:
+                if model.worker_exited(worker, code) and worker.reservation is not None and not kept:
                     self.release_kept_budget(model)
-                    self._kept[model.name], kept = worker.reservation, True
+                    self._kept[budget_key(model)], kept = worker.reservation, True
             self.lock.notify_all()
         if worker.reservation is not None and not kept:
             self.ledger.release(worker.reservation)
@@ -348,6 +387,9 @@ class ModelRegistry:
             "version": model.version.version if model.version is not None and model.state != "unloaded" else None,
             "versions": versions,
             "pid": worker.pid if worker is not None else None,
+            # the worker group it shares a worker with (None: a worker of its own) and the group's models by name
+            "worker_group": model.settings.worker_group or None,
+            "group_members": self.group_members(model.settings.worker_group),
             "gpu_memory": str(model.settings.gpu_memory),
             "caps_mib": {str(k): v for k, v in self.caps_for(model).items()},
             "in_flight": model.in_flight,
@@ -365,6 +407,25 @@ class ModelRegistry:
             "labels": [model.labels[k] for k in sorted(model.labels)],
         }
 
+    def group_members(self, group: str) -> list[str]:
+        """The models that name a worker group, by name ([] for '': a worker of its own)."""
+        return sorted(n for n, m in self.models.items() if group and m.settings.worker_group == group)
+
+    def groups(self) -> list[dict]:
+        """Describe the worker groups for /gpu: members, the one worker's pid, its cap and its one overhead."""
+        with self.lock:
+            names = sorted({m.settings.worker_group for m in self.models.values() if m.settings.worker_group})
+            rows = []
+            for group in names:
+                members = self.group_members(group)
+                worker = self._group_workers.get(group)
+                rows.append({"name": group, "members": members,
+                             "loaded": sorted(n for n in members if self.models[n].worker is not None),
+                             "pid": worker.pid if worker is not None and worker.alive else None,
+                             "caps_mib": {str(k): v for k, v in self.caps_for(self.models[members[0]]).items()},
+                             "overhead_mib": self.ledger.overhead_mib})
+        return rows
+
     def spares(self) -> list[dict]:
         """Describe the spare workers: started, TensorFlow imported once `ready`, no model yet."""
         return [{"pid": w.pid, "ready": w.spare.is_set(), "rss_mib": w.rss_mib()} for w in self.pool.spares()]
@@ -373,6 +434,7 @@ class ModelRegistry:
         """Describe every model worker for /gpu: pid, model, version, caps, policy, TensorFlow's figures."""
         with self.lock:
             rows = [({"pid": m.worker.pid, "model": m.name, "version": m.worker.model.version,
+                      "worker_group": m.settings.worker_group or None,
                       "caps_mib": self.caps_for(m), "policy": (m.worker.loaded or {}).get("policy")}, m.worker)
                     for m in self.models.values() if m.worker is not None and m.worker.model is not None]
         for row, worker in rows:  # asked outside the lock: a busy worker answers within a second
@@ -396,8 +458,9 @@ class ModelRegistry:
         with self.lock:
             if self.closing:
                 return
+            restarting = {budget_key(m) for m in self.models.values() if m.state == "loading"}
             for model in self.models.values():
-                if model.state != "loading":
+                if budget_key(model) not in restarting:
                     self.release_kept_budget(model)  # the restart it was kept for did not come
                 model.restart_if_due(now)
                 if model.claim_idle_unload(now):
@@ -419,6 +482,12 @@ class ModelRegistry:
             self.pool.refill()
         if self.history.due(now):
             self.history.record(time.time(), sample_memory(self))
+
+
+def budget_key(model: ServedModel) -> str:
+    """What holds a model's place in the budget: its worker group ('group:<name>'), else the model itself."""
+    group = model.settings.worker_group
+    return f"group:{group}" if group else model.name
 
 
 def _tensorflow_memory(worker: WorkerProcess) -> list:

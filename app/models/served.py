@@ -1,9 +1,8 @@
 """One served model: its queue, its state and its worker, through load, drain, swap and unload.
 
-Each model has one bounded queue and its batching threads, here in the HTTP process for its whole
-life; behind the queue, at most one worker process serves it at a time (two, briefly, while a new
-version takes over). The queue outlives its workers: a restart, an idle unload or a new version
-changes what runs the calls, not what waits.
+Each model has one bounded queue and its batching threads, here in the HTTP process for its whole life;
+behind it, one Member (app.models.member) in a worker of its own or its worker group's (two, briefly, while
+a new version takes over). The queue outlives them: a restart, an unload or a version changes what runs.
 
 States: unloaded -> loading -> ready -> unloading -> unloaded; failed after a load that cannot succeed
 or too many crashes. Every state change wakes the lock's waiters; the slow parts (starting a worker,
@@ -51,6 +50,7 @@ from ..supervision import BOOT_ERROR, ExitHistory, describe_exit
 from ..timeline import CallTimes, Timeline
 from .host import ModelHost
 from .repository import ModelSource, ModelVersion, fingerprint
+from .member import Member
 from .versions import VersionChoice
 from .workers import WorkerProcess
 
@@ -81,7 +81,7 @@ class ServedModel:
         self.settings = settings
         self.state = "unloaded"
         self.reason: Optional[str] = None  # why it is failed or restarting, or why the last load failed
-        self.worker: Optional[WorkerProcess] = None  # the worker new calls go to
+        self.worker: Optional[Member] = None  # where new calls go: this model in its worker
         self.version: Optional[ModelVersion] = None  # the version served (or last served)
         self.labels: dict[int, str] = {}
         # What the last worker to serve it said of its signature, kept while the model is unloaded, so that
@@ -173,7 +173,7 @@ class ServedModel:
             self._worker_or_wait(deadline, for_request=True)
         return 0.0 if was_ready else time.monotonic() - started
 
-    def _worker_or_wait(self, deadline: float, for_request: bool) -> WorkerProcess:
+    def _worker_or_wait(self, deadline: float, for_request: bool) -> Member:
         """Return the worker to call, waiting for a load, restart or new version; call under the lock.
 
         Requests (`for_request`) wait while the model unloads; calls already queued still run on it.
@@ -280,7 +280,7 @@ class ServedModel:
             self._publish(worker, attempt.version, time.monotonic() - attempt.started)
             self._lock.notify_all()
 
-    def _publish(self, worker: WorkerProcess, version: ModelVersion, seconds: float) -> None:
+    def _publish(self, worker: Member, version: ModelVersion, seconds: float) -> None:
         """Make `worker` the one that serves (under the lock); `seconds` since the load was asked for.
 
         The load's own time (`last_load_s`, the load histogram, the eviction rule's break-even) starts once
@@ -352,7 +352,7 @@ class ServedModel:
 
     def worker_exited(self, worker: WorkerProcess, code: int) -> bool:
         """Handle the exit of the worker that served this model (under the lock); return whether it restarts."""
-        if self.worker is not worker:
+        if self.worker is None or self.worker.process is not worker:
             return False
         self.worker = None
         if worker.expected_exit:
@@ -361,7 +361,7 @@ class ServedModel:
             self.settled.pop(_settle_key(self.version), None)
         self._metrics.restarted()
         verdict = self._history.record(time.monotonic(), boot_error=code == BOOT_ERROR)
-        what = f"its worker {worker.pid} {describe_exit(code)}"
+        what = f"its {worker.describe_kind()} {worker.pid} {describe_exit(code)}"
         if verdict.give_up:
             self.state, self.reason = "failed", f"{what}; given up after {verdict.reason}"
             log.error("model %s: %s; requests for it get 503 until it is loaded by request", self.name, what)
@@ -404,10 +404,10 @@ class ServedModel:
             self._lock.notify_all()
         if worker is not None:
             worker.drain(max(0.0, deadline - time.monotonic()))
-            worker.stop(10.0)
+            exited = worker.stop(10.0) is not None  # a group's worker serves on while it has other members
             self._metrics.unloaded(reason)
-            log.info("model %s version %s unloaded (%s); worker %d exited", self.name,
-                     self.version.version if self.version else "?", reason, worker.pid)
+            log.info("model %s version %s unloaded (%s); worker %d %s", self.name, self.version.version if self.version
+                     else "?", reason, worker.pid, "exited" if exited else "released it and serves its group")
         with self._lock:
             self.state = "unloaded"
             self._lock.notify_all()
@@ -524,7 +524,7 @@ class ServedModel:
                 self.swapping = None
                 self._lock.notify_all()
 
-    def _swap_after_drain(self, old: WorkerProcess, version: ModelVersion) -> None:
+    def _swap_after_drain(self, old: Member, version: ModelVersion) -> None:
         """The budget holds one of them: drain the old version, then load the new; requests wait meanwhile."""
         previous = self.version
         with self._lock:
@@ -587,7 +587,7 @@ def _labels_of(version: ModelVersion) -> dict[int, str]:
         return {}
 
 
-def _policy_text(worker: WorkerProcess) -> str:
+def _policy_text(worker: Member) -> str:
     policy = (worker.loaded or {}).get("policy") or {}
     gpus = policy.get("gpus") or []
     if not gpus:

@@ -2,13 +2,16 @@
 
 A worker starts as a spare: it imports TensorFlow (the slow part, about 3.5 s here), creates no tensor
 and applies no memory policy, says `spare` on its control channel and waits. Given a model (`load`),
-it applies that model's memory policy (TensorFlow's GPUs are still uninitialized, so the policy takes
+it applies that model's memory policy (its worker group's, for a member of one) (TensorFlow's GPUs are still uninitialized, so the policy takes
 effect), loads the model, settles its precision behind the parity gate (app/inference/parity.py),
 warms it, says `loaded` with the signature and how it computes, and then serves model calls on its
 lanes: each lane is a socket and a shared-memory buffer, served by a thread of its own, so that
 `inference_threads` calls run at once. A load that fails says `load_failed` and exits with BOOT_ERROR.
 
-The control channel also takes `stats` (TensorFlow's allocator figures) and `stop`. When the HTTP
+A worker group's worker then takes more `load`s (each member beside the others, a ResidentModel of
+app/models/resident.py, said `loaded` or `load_failed` with its member's name) and `unload`s (one member's
+lanes closed and its TensorFlow objects released, the others serving on); the HTTP process stops it once
+its last member is unloaded. The control channel also takes `stats` (TensorFlow's allocator figures) and `stop`. When the HTTP
 process goes away, the channel closes and the worker exits: no orphan keeps GPU memory.
 """
 
@@ -22,29 +25,41 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .resident import ResidentModel
 
 log = logging.getLogger("app.worker")
 
 
 class ModelWorker:
-    """The worker's side: init_process (policy, load, warm-up), then run (lanes and control)."""
+    """The worker's side: init_process (policy, first model), then run (control: more models, unloads, stats).
+
+    A worker of its own hosts one model. A worker group's hosts each member as a ResidentModel
+    (app/models/resident.py), loaded one at a time in a thread of its own so that the control channel stays
+    answered, and each released by `unload` while the others serve.
+    """
 
     def __init__(self, control):
         self.control = control
-        self.detector = None
         self.policy = None
-        self.execution = None
-        self._lanes: list[threading.Thread] = []
-        self._calls = threading.local()  # per lane: out-of-memory events in the call under way
+        self.residents: dict[str, "ResidentModel"] = {}
+        self._lock = threading.Lock()
 
-    def init_process(self, request: dict, fds: list[int]) -> None:
-        """Apply the model's memory policy, load and warm the model, open the lanes; raise DetectError."""
+    @property
+    def detector(self):
+        """The first resident's detector (a worker of its own has only that one)."""
+        return next(iter(self.residents.values())).detector
+
+    @property
+    def execution(self):
+        return next(iter(self.residents.values())).execution
+
+    def init_process(self, request: dict, fds: list[int]) -> "ResidentModel":
+        """Apply the process's memory policy (its group's), load and warm the first model; raise DetectError."""
         from ..gpu.memory_policy import parse_gpu_list, parse_memory_spec
         from ..gpu.setup import setup_gpus
-        from ..inference.detector import load_detector
-        from ..inference.parity import carry_over, settle_detector
-        from .channel import Channel, SharedBuffer
 
         model = request["model"]
         gpus = parse_gpu_list(model["gpus"])
@@ -52,33 +67,64 @@ class ModelWorker:
         if setup.nvml is not None:
             setup.nvml.close()  # the HTTP process reads NVML; the worker only needed totals for a share
         self.policy = setup.policy
-        self.detector = load_detector(model["path"], memory_limit=setup.policy.memory_limit(),
-                                      on_out_of_memory=self._out_of_memory)
-        if model.get("settled"):  # this version's choice at an earlier load: its check is not repeated
-            self.execution = carry_over(model["settled"])
-        else:
-            self.execution = settle_detector(self.detector, model.get("precision", "fp32"),
-                                             bool(model.get("parity_gate", True)), float(model.get("threshold", 0.5)),
-                                             int(model.get("max_image_pixels", 40_000_000)))
-        (log.info if self.execution.gate != "failed" else log.warning)(
-            "model %s executes in %s", model["name"], self.execution.describe())
-        self.detector.warm_up()
-        lanes = len(fds) // 2
-        for i in range(lanes):
-            lane = Channel(socket.socket(fileno=fds[2 * i]))
-            buffer = SharedBuffer(f"lane-{i}", fd=fds[2 * i + 1])
-            thread = threading.Thread(target=self._serve_lane, args=(lane, buffer), name=f"lane-{i}", daemon=True)
-            self._lanes.append(thread)
+        return self._load(request, fds)
+
+    def _load(self, request: dict, fds: list[int]) -> "ResidentModel":
+        from .resident import ResidentModel
+
+        resident = ResidentModel(request.get("member") or _name(request), request["model"])
+        try:
+            resident.load(self.policy.memory_limit())
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        resident.open_lanes(fds)
+        with self._lock:
+            self.residents[resident.member] = resident
+        return resident
+
+    def _load_more(self, request: dict, fds: list[int]) -> None:
+        """Load another member beside those served (a thread of its own); say loaded or load_failed."""
+        from ..errors import DetectError
+
+        name = _name(request)
+        member = request.get("member") or name
+        began = time.perf_counter()
+        try:
+            resident = self._load(request, fds)
+        except DetectError as exc:
+            log.error("cannot load model %s: %s", name, exc.message)
+            _say(self.control, {"event": "load_failed", "member": member,
+                                "error": {"code": exc.code, "message": exc.message}})
+            return
+        except Exception as exc:  # a model that breaks the loader in a way of its own
+            log.exception("cannot load model %s", name)
+            _say(self.control, {"event": "load_failed", "member": member,
+                                "error": {"code": "invalid_model", "message": f"{type(exc).__name__}: {exc}"}})
+            return
+        _say(self.control, {**resident.loaded_message(self.policy), "seconds": round(time.perf_counter() - began, 3)})
+        log.info("model %s loaded and warmed in %.2f s beside %d other(s)", name, time.perf_counter() - began,
+                 len(self.residents) - 1)
+
+    def _unload(self, member: str) -> None:
+        """Release one member: its lanes are closed by the HTTP process; its TensorFlow objects go."""
+        with self._lock:
+            resident = self.residents.pop(member, None)
+        if resident is None:
+            return
+        ended = resident.release()
+        log.info("model %s unloaded from this worker%s; %d model(s) left", member,
+                 "" if ended else " (a lane thread had not ended)", len(self.residents))
+        _say(self.control, {"event": "unloaded", "member": member})
 
     def run(self) -> int:
-        """Serve the lanes and the control channel until `stop` or the HTTP process goes away."""
+        """Serve the control channel until `stop` or the HTTP process goes away; the lanes serve themselves."""
         from .channel import ChannelClosed
 
-        for thread in self._lanes:
-            thread.start()
         while True:
             try:
-                header, _, _ = self.control.receive()
+                header, _, fds = self.control.receive()
             except ChannelClosed:
                 log.info("the server closed the control channel; exiting")
                 return 0
@@ -88,6 +134,10 @@ class ModelWorker:
                 return 0
             if op == "stats":
                 self.control.send({"event": "stats", "id": header.get("id"), "tensorflow": self._tensorflow_memory()})
+            elif op == "load":
+                threading.Thread(target=self._load_more, args=(header, fds), name="load", daemon=True).start()
+            elif op == "unload":
+                self._unload(header.get("member", ""))
 
     def _tensorflow_memory(self) -> list:
         if self.policy is None or not self.policy.gpus:
@@ -99,50 +149,9 @@ class ModelWorker:
         except Exception as exc:  # a report, never a reason to fail
             return [{"error": str(exc)}]
 
-    def _out_of_memory(self) -> None:
-        self._calls.out_of_memory = getattr(self._calls, "out_of_memory", 0) + 1
 
-    def _serve_lane(self, lane, buffer) -> None:
-        """Answer the model calls of one lane, each exactly once, until the HTTP process closes it."""
-        from .channel import ChannelClosed
-
-        while True:
-            try:
-                header, _, _ = lane.receive()
-            except ChannelClosed:
-                return
-            received = time.monotonic()  # the clock the HTTP process's marks use too (app/timeline.py)
-            self._calls.out_of_memory = 0
-            errors, outputs = self._run_call(buffer, header["shape"])
-            answered = time.monotonic()
-            try:
-                lane.send({"errors": errors, "seconds": answered - received, "received": received,
-                           "answered": answered, "out_of_memory": self._calls.out_of_memory}, outputs)
-            except ChannelClosed:
-                return
-
-    def _run_call(self, buffer, shape: list) -> tuple[list, dict]:
-        """Run the batch in the lane's buffer; return per-image errors (None where it worked) and outputs.
-
-        Whatever goes wrong is answered as every image's error: a call left unanswered would hold its
-        request until the deadline.
-        """
-        from ..errors import DetectError
-        from ..inference.detections import stack_outputs
-        from .channel import BufferTooSmall
-
-        try:
-            batch = buffer.array(shape)
-            results = self.detector.run_batch(batch)
-            del batch
-        except BufferTooSmall as exc:
-            log.error("a model call did not fit its lane: %s", exc)
-            return [{"code": "inference_failed", "message": "the batch did not reach the model whole"}] * shape[0], {}
-        except Exception as exc:  # run_batch isolates the model's own failures; this is anything else
-            log.exception("a model call failed")
-            return [{"code": "inference_failed", "message": f"the model call failed: {type(exc).__name__}"}] * shape[0], {}
-        errors = [{"code": r.code, "message": r.message} if isinstance(r, DetectError) else None for r in results]
-        return errors, stack_outputs([r for r in results if not isinstance(r, DetectError)])
+def _name(request: dict) -> str:
+    return f"{request['model']['name']}/{request['model']['version']}"
 
 
 PR_SET_NO_NEW_PRIVS = 38  # linux/prctl.h
@@ -210,26 +219,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     if header.get("op") != "load":
         return 0
     worker = ModelWorker(control)
-    name = f"{header['model']['name']}/{header['model']['version']}"
+    name = _name(header)
+    group = header.get("group")
     logging.getLogger().handlers[0].setFormatter(logging.Formatter(
-        f"%(asctime)s %(levelname)s worker[{os.getpid()} {name}] %(name)s: %(message)s"))
+        f"%(asctime)s %(levelname)s worker[{os.getpid()} {'group ' + group if group else name}] %(name)s: %(message)s"))
     began = time.perf_counter()
     try:
-        worker.init_process(header, fds)
+        resident = worker.init_process(header, fds)
     except DetectError as exc:
         log.error("cannot load model %s: %s", name, exc.message)
-        _say(control, {"event": "load_failed", "error": {"code": exc.code, "message": exc.message}})
+        _say(control, {"event": "load_failed", "member": header.get("member"),
+                       "error": {"code": exc.code, "message": exc.message}})
         return BOOT_ERROR
     except Exception as exc:  # a model that breaks the loader in a way of its own
         log.exception("cannot load model %s", name)
-        _say(control, {"event": "load_failed", "error": {"code": "invalid_model",
-                                                          "message": f"{type(exc).__name__}: {exc}"}})
+        _say(control, {"event": "load_failed", "member": header.get("member"),
+                       "error": {"code": "invalid_model", "message": f"{type(exc).__name__}: {exc}"}})
         return BOOT_ERROR
-    _say(control, {"event": "loaded", "signature": worker.detector.signature(),
-                   "signature_defs": worker.detector.signature_defs(),
-                   "max_batch": worker.detector.max_batch, "policy": worker.policy.to_json(),
-                   "execution": worker.execution.to_json(),
-                   "seconds": round(time.perf_counter() - began, 3)})
+    _say(control, {**resident.loaded_message(worker.policy), "seconds": round(time.perf_counter() - began, 3)})
     log.info("model %s loaded and warmed in %.2f s (%s)", name, time.perf_counter() - began, worker.policy.describe())
     return worker.run()
 

@@ -105,6 +105,9 @@ def model_config(plane: DataPlane, model, described: dict) -> dict:
         "instance_group": [{"name": model.name, "kind": "KIND_MODEL", "count": settings.inference_threads,
                             "gpus": list(settings.gpus or ())}],
     }
+    if settings.worker_group:  # its worker is its group's: the instance group is named so, and a parameter says it
+        config["instance_group"][0]["name"] = settings.worker_group
+        config["parameters"] = {"worker_group": {"string_value": settings.worker_group}}
     accelerator = ACCELERATORS.get((model.execution or {}).get("precision"))  # none while unloaded
     if accelerator is not None:  # Triton's TensorFlow backend names fp16 so; bf16 is ours, in the CPU's list
         config["optimization"] = {"execution_accelerators": {accelerator[0]: [{"name": accelerator[1]}]}}

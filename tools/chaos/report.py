@@ -113,7 +113,7 @@ def check_crashes(records: list[dict], faults: list[dict], deadline_s: Optional[
         if fault["fault"] != "kill-worker" or "model" not in fault:
             continue
         for r in records:
-            if r.get("model") != fault["model"] or "ms" not in r or r["kind"] in HANG_UPS:
+            if r.get("model") not in fault.get("models", [fault["model"]]) or "ms" not in r or r["kind"] in HANG_UPS:
                 continue
             if r["rel_t"] < fault["t"] < r["rel_t"] + r["ms"] / 1000:
                 in_flight += 1
@@ -186,8 +186,12 @@ def check_leaks(samples: list[dict], result: dict) -> tuple[list[str], dict]:
 
 
 def _lane_holders(sample: dict) -> int:
-    """Children that may hold lanes: the workers, and the dead ones not yet reaped (whose lanes close after)."""
-    return len(workers_in(sample)) + sum(1 for c in sample["children"].values() if c["state"] == "Z")
+    """Models that may hold lanes: one per worker, or per model a worker group's worker serves, and the dead
+    workers not yet reaped (whose lanes close after)."""
+    served = Counter(m["pid"] for m in sample.get("models", {}).values() if m.get("pid"))
+    workers = [pid for pid, c in sample["children"].items() if c in workers_in(sample)]
+    return (sum(max(1, served.get(int(pid), 0)) for pid in workers)
+            + sum(1 for c in sample["children"].values() if c["state"] == "Z"))
 
 
 def _spares(sample: dict) -> int:

@@ -177,7 +177,8 @@ class Faults:
             return self.record("kill-worker", skipped="no worker ready")
         model, pid = self.rng.choice(workers)
         os.kill(pid, signal.SIGKILL)
-        self.record("kill-worker", model=model, pid=pid)
+        # A worker group's worker serves several models: the kill is each one's.
+        self.record("kill-worker", model=model, pid=pid, models=sorted(m for m, p in workers if p == pid))
 
     def stop_worker(self) -> None:
         workers = self._live_workers()
@@ -315,6 +316,9 @@ def run(args) -> dict:
         old.unlink()
     repository, images = prepare(out, args.seed)
     settings = write_settings(out / "server.toml", {"model_repository": str(repository), **SETTINGS})
+    if args.group:  # these models share one worker: a [models.<name>] table each naming the group
+        with (out / "server.toml").open("a") as handle:
+            handle.write("".join(f'[models.{name}]\nworker_group = "chaos"\n' for name in args.group))
     warmup_s, chaos_s = max(15.0, args.duration * 0.1), args.duration * 0.7
     settle_s = args.duration - warmup_s - chaos_s
     print(f"chaos: seed {args.seed}, {args.duration:.0f} s: warm-up {warmup_s:.0f}, chaos {chaos_s:.0f}, settle "
@@ -366,7 +370,7 @@ def run(args) -> dict:
     return {
         "dropped_images": dropped,
         "seed": args.seed, "duration_s": args.duration, "date": time.strftime("%Y-%m-%d"),
-        "command": "scripts/chaos " + " ".join(args.argv), "settings": SETTINGS,
+        "command": "scripts/chaos " + " ".join(args.argv), "settings": SETTINGS, "group": args.group,
         "budget_mib": BUDGET_MIB, "cap_mib": CAP_MIB, "overhead_mib": OVERHEAD_MIB,
         "phases": phases, "faults": faults.events, "exit_status": exit_status, "left_behind": left,
         "samples": sampler.samples, "t0_unix": time.time() - (time.monotonic() - t0),
@@ -389,6 +393,14 @@ def dropped_images(port: int) -> Optional[int]:
 
 def _sleep_until(moment: float) -> None:
     time.sleep(max(0.0, moment - time.monotonic()))
+
+
+def group_of(text: str) -> list[str]:
+    """Parse --group: two or more of the run's models, comma-separated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if len(names) < 2 or any(n not in MODELS for n in names):
+        raise argparse.ArgumentTypeError(f"expected two or more of {', '.join(MODELS)}, comma-separated")
+    return names
 
 
 def fault_weights(text: str) -> dict:
@@ -415,6 +427,8 @@ def main(argv=None) -> int:
     parser.add_argument("--faults", type=fault_weights, default=dict(FAULTS), metavar="KIND=WEIGHT,...",
                         help="the faults drawn and their weights (default: "
                         + ",".join(f"{k}={v}" for k, v in FAULTS.items()) + ")")
+    parser.add_argument("--group", type=group_of, default=[], metavar="MODEL,MODEL",
+                        help="run these models in one worker group, one worker for them all (default: a worker each)")
     args = parser.parse_args(argv)
     args.argv = argv
     try:

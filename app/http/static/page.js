@@ -655,11 +655,17 @@ function processLabel(p) {
 
 function hostTable(gpu, listing) {
   const rows = [];
+  const byPid = new Map();  // a worker group's one worker serves several models: one row for it
   for (const m of listing.models) {
     if (m.pid === null || m.pid === undefined) continue;
-    rows.push(el("tr", { "data-pid": m.pid, "data-owner": "worker" },
-      el("td", { text: String(m.pid) }), el("td", { text: `worker: ${m.name} v${m.version}` }),
-      el("td", { className: "num", text: mib(m.memory && m.memory.used_mib) })));
+    if (!byPid.has(m.pid)) byPid.set(m.pid, { group: m.worker_group, models: [], memory: m.memory });
+    byPid.get(m.pid).models.push(`${m.name} v${m.version}`);
+  }
+  for (const [pid, w] of byPid) {
+    const what = w.group ? `worker of group ${w.group}: ${w.models.join(", ")}` : `worker: ${w.models[0]}`;
+    rows.push(el("tr", { "data-pid": pid, "data-owner": "worker", "data-group": w.group || "" },
+      el("td", { text: String(pid) }), el("td", { text: what }),
+      el("td", { className: "num", text: mib(w.memory && w.memory.used_mib) })));
   }
   for (const s of listing.spares || []) {
     rows.push(el("tr", { "data-pid": s.pid, "data-owner": "spare" },
@@ -690,7 +696,9 @@ function renderModels(listing) {
       el("th", { scope: "row", text: m.version ? `${m.name} v${m.version}` : m.name }),
       el("td", {}, el("span", { className: `state state-${m.state}`, text: m.state }),
         m.reason ? el("span", { className: "reason", text: m.reason }) : null),
-      el("td", { className: "worker", text: m.pid === null || m.pid === undefined ? "–" : String(m.pid) }),
+      el("td", { className: "worker", title: m.worker_group ? `shared by ${m.group_members.join(", ")}` : "",
+        text: (m.pid === null || m.pid === undefined ? "–" : String(m.pid)) +
+          (m.worker_group ? ` (group ${m.worker_group})` : "") }),
       el("td", { className: "num", title: memory.note || "", text: mib(memory.used_mib) }),
       el("td", { className: "num", text: m.gpu_memory || "–" }),
       el("td", {}, action));
@@ -728,7 +736,7 @@ function mergeHistory(answer) {
   state.keepS = answer.keep_s;
   state.offsetS = answer.now_unix - Date.now() / 1000;
   for (const series of answer.series) {
-    const key = series.kind === "model" ? series.name : series.kind;
+    const key = series.kind === "model" ? series.name : series.kind === "group" ? `group ${series.name}` : series.kind;
     let held = state.history.get(key);
     if (!held) {
       held = { kind: series.kind, name: series.name, samples: [] };
@@ -814,10 +822,10 @@ function drawChart() {
     const swatch = el("span", { className: "swatch" });
     swatch.style.background = colourOf(key);
     const last = held.samples[held.samples.length - 1];
-    const label = held.kind === "model" ? key : key === "server" ? "HTTP process" : "spare workers";
+    const label = held.kind === "model" || held.kind === "group" ? key : key === "server" ? "HTTP process" : "spare workers";
     const source = last ? (last[2] === "nvml" ? "GPU" : "resident") : "";
     return el("li", { "data-series": key }, swatch, `${label}: ${mib(last ? last[1] : null)} ${source}` +
-      (held.kind === "model" && last ? ` (${last[3]})` : ""));
+      ((held.kind === "model" || held.kind === "group") && last ? ` (${last[3]})` : ""));
   }));
 }
 
