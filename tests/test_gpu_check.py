@@ -278,11 +278,17 @@ H200_PRECISION = {"gpus": ["NVIDIA H200"], "compute_capability": [9, 0], "tensor
                   "ms_per_image": {"fp32": 2.1, "fp16": 1.2}}
 
 
+# What tools/gpu_check/groups.py's server shows where a worker group works: shapes and faces in one worker, objects
+# in its own, and NVML listing each worker once (a made-up run: no TensorFlow has run on a lent GPU).
+GROUP_ON_GPU = {"pids": {"shapes": 4101, "faces": 4101, "objects": 4102}, "gpu_pids": [4101, 4102]}
+
+
 def _run(tmp_path, library, folder, backends=("cupy",), tensorflow_child=lambda gpu: H200_PRECISION):
     out = tmp_path / "out"
     status, report = gpu_check.check_gpu(["--out", str(out)], out, 0, list(backends), [2048, 5120],
                                          nvidia_smi=_nvidia_smi(tmp_path, folder), nvml_library=library,
-                                         holder_script=FAKE_HOLDER, tensorflow_child=tensorflow_child)
+                                         holder_script=FAKE_HOLDER, tensorflow_child=tensorflow_child,
+                                         group_server=lambda gpu: GROUP_ON_GPU)
     assert json.loads((out / "gpu-check.json").read_text()) == json.loads(json.dumps(report))
     assert (out / "gpu-check.txt").read_text().startswith("gpu-check: NVIDIA H200")
     return status, report, {c["name"]: c for c in report["checks"]}
@@ -356,3 +362,27 @@ def test_the_precision_claims_are_judged_from_the_tensorflow_childs_figures():
     assert [c.outcome for c in judge(pascal)] == [PASS]  # no tensor cores: fp32, nothing more to check
     assert judge({"gpus": []})[0].outcome == "skip" and judge({"error": "exit status 1"})[0].outcome == "fail"
     assert precision_checks(0, lambda gpu: {"gpus": []})[0].detail.startswith("TensorFlow sees no GPU")
+
+
+def test_the_worker_group_claim_is_judged_from_what_the_server_and_nvml_showed(tmp_path, monkeypatch):
+    from app.settings import load_settings
+    from tools.gpu_check import groups
+
+    assert groups.judge(GROUP_ON_GPU).outcome == PASS
+    apart = {**GROUP_ON_GPU, "pids": {"shapes": 4101, "faces": 4103, "objects": 4102}}
+    assert "name 2 worker pid(s), not one" in groups.judge(apart).detail
+    twice = {**GROUP_ON_GPU, "gpu_pids": [4101, 4101, 4102]}  # two contexts in the group's one process
+    assert "4101 2 time(s) on the GPU, not once" in groups.judge(twice).detail
+    unseen = {**GROUP_ON_GPU, "gpu_pids": [4102]}
+    assert groups.judge(unseen).outcome == "fail"
+    not_loaded = {**GROUP_ON_GPU, "pids": {"shapes": None, "faces": None, "objects": 4102}}
+    assert groups.judge(not_loaded).outcome == "fail"
+    assert groups.judge({"error": "TimeoutError: not ready"}).outcome == "fail"
+    # Without TensorFlow, a skip that says so; the server's settings are ones the server takes.
+    monkeypatch.setattr(groups.importlib.util, "find_spec", lambda name: None)
+    assert groups.group_checks(0)[0].outcome == "skip"
+    config = tmp_path / "server.toml"
+    config.write_text(groups.settings_text(0))
+    settings = load_settings(config_path=config, environ={})
+    assert [settings.for_model(m).worker_group for m in ("shapes", "faces", "objects")] == ["pair", "pair", ""]
+    assert str(settings.for_model("shapes").gpu_memory) == str(settings.for_model("objects").gpu_memory)

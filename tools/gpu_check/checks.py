@@ -20,7 +20,9 @@ until it is told to exit. Against them it checks:
 5. release: each holder is ended, and its memory must be back in NVML's free figure within 5 s
    (what idle unloading relies on), and all of it by the end;
 6. precision, where TensorFlow is installed (tools/gpu_check/precision.py): auto chooses fp16 on tensor
-   cores, fp16 passes the parity gate, and runs faster than fp32; without TensorFlow, a skip that says so.
+   cores, fp16 passes the parity gate, and runs faster than fp32; without TensorFlow, a skip that says so;
+7. worker groups, where TensorFlow is installed (tools/gpu_check/groups.py): a real server's group of two models
+   runs in one process, which NVML lists once on the GPU (one context); without TensorFlow, a skip.
 
 It writes gpu-check.json (every figure and check), gpu-check.txt (the table it prints) and
 gpu-report.json (the /gpu report it judged) to --out (default out/gpu-check), with the holders' logs
@@ -684,12 +686,14 @@ def summary(checks: Sequence[Check]) -> str:
 
 def check_gpu(argv: Sequence[str], out: Path, gpu: int, backends: Sequence[str], sizes_mib: Sequence[int],
               nvidia_smi: str = "nvidia-smi", nvml_library=None, holder_script: Path = HOLDER,
-              tensorflow_child=None) -> tuple[int, dict]:
+              tensorflow_child=None, group_server=None) -> tuple[int, dict]:
     """Open NVML, run every check on the GPU, write the report and the table; return the exit status and the report.
 
     `tensorflow_child(gpu)` gives the precision check's figures (tools/gpu_check/precision.py; default: its child
-    process, where TensorFlow is installed).
+    process, where TensorFlow is installed); `group_server(gpu)` the worker-group check's (tools/gpu_check/groups.py;
+    default: a real server, where TensorFlow is installed).
     """
+    from tools.gpu_check.groups import group_checks
     from tools.gpu_check.precision import precision_checks
 
     nvml = open_gpu(gpu, nvml_library)
@@ -702,6 +706,7 @@ def check_gpu(argv: Sequence[str], out: Path, gpu: int, backends: Sequence[str],
     finally:
         nvml.close()
     run.checks.extend(precision_checks(gpu, tensorflow_child))  # after the holders: the GPU is the child's alone
+    run.checks.extend(group_checks(gpu, group_server))  # then a server's alone
     failed = any(c.outcome == FAIL for c in run.checks)
     report = {
         "tool": "scripts/gpu-check", "command": " ".join(["scripts/gpu-check", *argv]),
