@@ -123,9 +123,21 @@ def test_the_checker_finds_a_budget_overrun_and_each_kind_of_leak():
     steady = [_sample(5, ["shapes"], lanes=2), _sample(25, ["shapes"], lanes=2)]
     assert chaos_report.check_leaks(steady, result)[0] == []
     leaking = [_sample(5, ["shapes"], lanes=2),
-               _sample(25, ["shapes"], rss=400.0, threads=120, fds=90, lanes=4)]
+               _sample(25, ["shapes"], rss=450.0, threads=120, fds=90, lanes=4)]
     problems, figures = chaos_report.check_leaks(leaking, result)
-    assert figures["rss_mib"] == [300.0, 400.0] and len(problems) == 4, problems
+    assert figures["rss_mib"] == [300.0, 450.0] and len(problems) == 4, problems
+    assert "private memory grew from 300.0 to 450.0 MiB" in problems[0], problems
+    # Private memory is RssAnon where sampled: the lanes' shared memory moving with batch sizes is no leak,
+    # and neither is a peak that has gone by the end of the window; a rise that stays is.
+    private = [_sample(5, ["shapes"], rss=300.0), _sample(18, ["shapes"], rss=500.0),
+               _sample(22, ["shapes"], rss=480.0), _sample(25, ["shapes"], rss=430.0)]
+    for sample, anon in zip(private, (250.0, 420.0, 300.0, 400.0)):
+        sample["http"]["anon_mib"] = anon
+    problems, figures = chaos_report.check_leaks(private, result)
+    assert problems == [] and figures["private_mib"] == [250.0, 300.0], (problems, figures)
+    private[2]["http"]["anon_mib"] = 390.0
+    problems, figures = chaos_report.check_leaks(private, result)
+    assert figures["private_mib"] == [250.0, 390.0] and len(problems) == 1, problems
     # A worker's lanes close a moment after it exits: one sample in that moment is not a leak; three are.
     exiting = [_sample(5, ["shapes"], lanes=2), _sample(23, ["shapes"], lanes=2), _sample(24, ["shapes"], lanes=2),
                _sample(25, ["shapes"], lanes=4)]

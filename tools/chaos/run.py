@@ -77,9 +77,10 @@ def process_state(pid: int) -> Optional[str]:
         return None
 
 
-def rss_mib(pid: int) -> Optional[float]:
+def rss_mib(pid: int, field: str = "VmRSS") -> Optional[float]:
+    """A resident-memory line of /proc/PID/status in MiB: VmRSS (all), RssAnon (private heap), RssShmem."""
     try:
-        found = re.search(r"^VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+        found = re.search(rf"^{field}:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
     except OSError:
         return None
     return round(int(found.group(1)) / 1024, 1) if found else None
@@ -89,7 +90,8 @@ def http_process_figures(pid: int) -> dict:
     """The HTTP process's memory, descriptors, threads and the memfd lanes it has mapped (by inode)."""
     maps = Path(f"/proc/{pid}/maps").read_text()
     lanes = {m.group(1) for m in re.finditer(r"^\S+ \S+ \S+ \S+ (\d+) +/memfd:detect-", maps, re.M)}
-    return {"rss_mib": rss_mib(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    return {"rss_mib": rss_mib(pid), "anon_mib": rss_mib(pid, "RssAnon"), "shmem_mib": rss_mib(pid, "RssShmem"),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": len(os.listdir(f"/proc/{pid}/task")), "lanes": len(lanes)}
 
 
