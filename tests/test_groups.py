@@ -243,3 +243,34 @@ def test_a_group_that_cannot_fit_gets_503_insufficient_gpu_memory_naming_the_gro
         assert server.request("POST", "/models/gamma/detect", RED, PNG)[0] == 200  # a model of its own still fits
     finally:
         assert server.stop() == 0
+
+
+def test_a_load_while_the_groups_worker_is_on_its_way_out_waits_for_its_budget_and_evicts_nothing(
+        tmp_path, blob_model_dir):
+    # 2700 MiB holds the group (1024 + 300) and gamma (1024 + 300). When the group's last member unloads, its
+    # worker stops; a member loaded meanwhile must wait for that worker's exit, which gives its budget back,
+    # not find the budget short and evict gamma to make room, or be refused.
+    server, _ = _serve(tmp_path, blob_model_dir, DETECT_GPU_TOTAL_MIB="2700", DETECT_GPU_MEMORY="1GiB",
+                       DETECT_GPU_OVERHEAD_MIB="300")
+    try:
+        gamma_pid = _models(server)["gamma"]["pid"]
+        assert server.request("POST", "/v2/repository/models/alpha/unload")[0] == 200
+        for attempt in range(3):
+            old_pid = _models(server)["beta"]["pid"]
+            answers = {}
+            unload = threading.Thread(target=lambda: answers.setdefault(
+                "unload", server.request("POST", "/v2/repository/models/beta/unload")))
+            unload.start()
+            wait_for(lambda: _models(server)["beta"]["state"] != "ready", 10, "beta's unload under way")
+            answers["load"] = server.request("POST", "/v2/repository/models/alpha/load")
+            unload.join(30)
+            assert answers["unload"][0] == 200 and answers["load"][0] == 200, answers
+            models = _models(server)
+            assert models["alpha"]["state"] == "ready" and models["alpha"]["pid"] not in (old_pid, None), models
+            assert models["gamma"]["state"] == "ready" and models["gamma"]["pid"] == gamma_pid, models
+            assert "unloading idle model gamma" not in server.log()
+            # Swap roles for the next round: beta joins alpha's new worker, then alpha leaves it.
+            assert server.request("POST", "/v2/repository/models/beta/load")[0] == 200
+            assert server.request("POST", "/v2/repository/models/alpha/unload")[0] == 200
+    finally:
+        assert server.stop() == 0

@@ -205,7 +205,8 @@ class ModelRegistry:
         """Reserve the model's budget (evicting idle models if allowed), start a worker and load `version` in it.
 
         A member of a worker group loads into its group's worker where one runs (the group's budget is held
-        once, by that worker), and else starts it; one load at a time per group.
+        once, by that worker), and else starts it, after the one on its way out has exited; one load at a time
+        per group.
         """
         group = model.settings.worker_group
         if not group:
@@ -217,6 +218,10 @@ class ModelRegistry:
                 worker = self._group_workers.get(group)
             if worker is not None and worker.alive:
                 return self._load(worker, model, version, time.monotonic())
+            if worker is not None:
+                # On its way out (its last member unloaded): it holds the group's budget until it has exited,
+                # and a new worker reserved meanwhile would find the budget short and evict a model for it.
+                worker.wait(self.settings.load_timeout_s)
             return self._load_in(group, model, version, evict)
 
     def _load_in(self, group: Optional[str], model: ServedModel, version: ModelVersion, evict: bool) -> Member:
