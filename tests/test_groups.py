@@ -274,3 +274,47 @@ def test_a_load_while_the_groups_worker_is_on_its_way_out_waits_for_its_budget_a
             assert server.request("POST", "/v2/repository/models/alpha/unload")[0] == 200
     finally:
         assert server.stop() == 0
+
+
+def test_an_idle_member_beside_a_busy_one_is_not_evicted_for_nothing(tmp_path, blob_model_dir, slow_blob_model_dir):
+    # The group (alpha idle, beta busy) and gamma fill 2648 of 2700 MiB; delta needs 1324. alpha has been idle
+    # longest, but unloading it would free nothing while beta keeps their worker: gamma must make the room.
+    root = _repository(tmp_path / "repo", blob_model_dir / "2", "alpha", "gamma", "delta")
+    _repository(root, slow_blob_model_dir, "beta")
+    config = tmp_path / "groups.toml"
+    # beta takes one image per call, one call at a time: with three clients, two always wait their turn.
+    config.write_text(GROUP.format(cap="1GiB").replace('[models.beta]\n', '[models.beta]\nmax_batch_size = 1\n'
+                                                      'inference_threads = 1\n'))
+    server = start_server({"DETECT_MODEL_REPOSITORY": str(root), "DETECT_DEFAULT_MODEL": "gamma",
+                           "DETECT_IDLE_UNLOAD_S": "0", "DETECT_PRELOAD": "false", "DETECT_GPU_TOTAL_MIB": "2700",
+                           "DETECT_GPU_MEMORY": "1GiB", "DETECT_GPU_OVERHEAD_MIB": "300"},
+                          tmp_path / "log", args=["--config", str(config)])
+    stop = threading.Event()
+
+    def keep_beta_busy():
+        while not stop.is_set():
+            server.request("POST", "/models/beta/detect", BLUE, PNG)
+
+    busy = [threading.Thread(target=keep_beta_busy) for _ in range(3)]
+    try:
+        for name in ("alpha", "beta", "gamma"):
+            assert server.request("POST", f"/v2/repository/models/{name}/load")[0] == 200
+        models = _models(server)
+        assert models["alpha"]["pid"] == models["beta"]["pid"] != models["gamma"]["pid"], models
+        for thread in busy:
+            thread.start()
+        wait_for(lambda: _models(server)["beta"]["in_flight"] >= 2, 30, "beta busy")
+        assert server.request("POST", "/models/gamma/detect", RED, PNG)[0] == 200  # alpha is idle longest
+        time.sleep(max(m["last_load_s"] for m in _models(server).values() if m["last_load_s"]) + 0.5)
+
+        status, _, answer = server.request("POST", "/models/delta/detect", RED, PNG)
+        assert status == 200 and answer["model"]["name"] == "delta", answer
+        models = _models(server)
+        assert models["gamma"]["state"] == "unloaded" and "unloading idle model gamma" in server.log()
+        assert models["alpha"]["state"] == "ready" and models["alpha"]["pid"] == models["beta"]["pid"], models
+        assert "unloading idle model alpha" not in server.log()
+    finally:
+        stop.set()
+        for thread in busy:
+            thread.join(60)
+        assert server.stop() == 0

@@ -300,13 +300,13 @@ class ModelRegistry:
     def _victim(self, loading: ServedModel, gpu: int) -> tuple[Optional[ServedModel], Optional[float]]:
         """Pick the model on `gpu` to unload: the least recently used of those idle for longer than their last
         load took (the break-even point: unloading one used more recently than that costs more in its reload
-        than it frees). Return (victim, None), or (None, seconds until an idle one gets there), or (None, None)
+        than it frees), leaving out a member of a worker group whose worker another member keeps busy. Return (victim, None), or (None, seconds until an idle one gets there), or (None, None)
         when none is idle.
         """
         now = time.monotonic()
         with self.lock:
             idle = [(m.idle_for(now), m) for m in self.models.values()
-                    if m is not loading and gpu in self.caps_for(m)]
+                    if m is not loading and gpu in self.caps_for(m) and not self._kept_by_its_group(m, now)]
             candidates = [(seconds, m) for seconds, m in idle if seconds is not None]
             if not candidates:
                 return None, None
@@ -314,6 +314,17 @@ class ModelRegistry:
             if ripe:
                 return max(ripe, key=lambda pair: pair[0])[1], None
             return None, min((m.last_load_s or 0.0) - seconds for seconds, m in candidates)
+
+    def _kept_by_its_group(self, model: ServedModel, now: float) -> bool:
+        """Whether another member of the model's worker group is busy in their worker (under the lock).
+
+        Unloading an idle member gives the budget back only with the worker, once its last member is
+        unloaded; while another member is busy there, evicting this one would free nothing.
+        """
+        group = model.settings.worker_group
+        return bool(group) and any(
+            other is not model and other.settings.worker_group == group and other.worker is not None
+            and other.idle_for(now) is None for other in self.models.values())
 
     def _worker_exited(self, worker: WorkerProcess, code: int) -> None:
         """Called from a worker's reader thread once its exit is reaped: its models, then its budget.
