@@ -300,8 +300,8 @@ class ModelRegistry:
     def _victim(self, loading: ServedModel, gpu: int) -> tuple[Optional[ServedModel], Optional[float]]:
         """Pick the model on `gpu` to unload: the least recently used of those idle for longer than their last
         load took (the break-even point: unloading one used more recently than that costs more in its reload
-        than it frees), leaving out a member of a worker group whose worker another member keeps busy. Return (victim, None), or (None, seconds until an idle one gets there), or (None, None)
-        when none is idle.
+        than it frees), leaving out a member of a worker group whose worker another member keeps busy. Return
+        (victim, None), or (None, seconds until an idle one gets there), or (None, None) when none is idle.
         """
         now = time.monotonic()
         with self.lock:
