@@ -14,11 +14,11 @@ What must hold (issue 28):
   deadline ran out first (a request that had waited for a load, then for the restart): then 503 or 504, at
   the deadline; a client that hung up on purpose reads no answer, and is not counted;
 - budget: at every sample, the live workers' caps and overhead fit in the budget;
-- leaks: at the end of the settle phase, the HTTP process's private memory (RssAnon, its heap: the lanes'
-  shared memory is the lanes' check) is within LEAK_PRIVATE_MIB of the baseline (the end of the warm-up), at
-  its lowest over the last LEAK_WINDOW_S; its threads and descriptors within a few per worker more than it then
-  had (threads: or than just after a burst, which grows the WSGI pool for good), and its memfd lanes those
-  of its live workers only (a leak shows in each of the last LANE_SAMPLES samples, a worker that has just
+- leaks: the HTTP process's private memory (RssAnon, its heap: the lanes' shared memory is the lanes' check)
+  does not grow through the settle phase by more than LEAK_SETTLE_MIB, and ends within LEAK_PRIVATE_MIB of the
+  baseline (the end of the warm-up), taking its lowest over the last LEAK_WINDOW_S; its threads and
+  descriptors within a few per worker more than it then had (threads: or than just after a burst, which
+  grows the WSGI pool for good), and its memfd lanes those of its live workers only (a leak shows in each of the last LANE_SAMPLES samples, a worker that has just
   exited in one); no child stays a zombie; after the stop, no worker or spare is left and the exit status is 0.
 """
 
@@ -29,12 +29,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Optional
 
-# The HTTP process's private memory moves with the work in hand and what its allocator keeps of it (4 heaps
-# with up to 16 MiB free at their tops, app/process.py): seed 28 went 388 -> 470 -> 288 -> 402 MiB in one run
-# with no trend, and the 30-minute soak ended lower than it began. A leak grows with the requests: a run
-# serves about 3,000, so 128 MiB still finds one that keeps 44 KiB a request. A peak is no leak, and a leak
-# does not go down: the end is the lowest of the last LEAK_WINDOW_S.
-LEAK_PRIVATE_MIB = 128.0
+# The HTTP process's private memory (RssAnon) keeps the high-water mark its allocator reached under the
+# faults and bursts: a CI run ended 145 MiB above the baseline, flat through its settle phase (483.4 -> 483.8
+# MiB), and the 30-minute soak ended lower than it began. So a leak is judged where it shows:
+# the settle phase serves steady traffic with no fault, and private memory must not grow across it (its
+# lowest over the last LEAK_WINDOW_S against its highest over the first LEAK_WINDOW_S / 2: a peak is no
+# leak, and a leak does not go down). The baseline bounds what the faults may leave behind, grossly.
+LEAK_SETTLE_MIB = 32.0
+LEAK_PRIVATE_MIB = 256.0
 LEAK_WINDOW_S = 10.0
 PER_WORKER_THREADS = 4  # threads the HTTP process holds per live worker (reader, lanes' waiters)
 PER_WORKER_FDS = 6  # descriptors per live worker (its channel, its lanes, its pidfd)
@@ -162,6 +164,7 @@ def check_leaks(samples: list[dict], result: dict) -> tuple[list[str], dict]:
         return ["not enough samples for the leak checks"], {}
     base, end = before[-1], settled[-1]
     window = [s for s in settled if s["t"] >= end["t"] - LEAK_WINDOW_S]
+    opening = [s for s in settled if s["t"] < phases["settle"] + LEAK_WINDOW_S / 2] or settled[:1]
     grown = max(0, len(workers_in(end)) + _spares(end) - len(workers_in(base)) - _spares(base))
     # Twisted's WSGI pool starts a thread per request it runs at once, up to http_threads, and keeps it: a burst
     # raises the count for good. So the threads compare with the most seen before the chaos or just after a
@@ -172,12 +175,17 @@ def check_leaks(samples: list[dict], result: dict) -> tuple[list[str], dict]:
         "baseline_t": base["t"], "end_t": end["t"],
         "rss_mib": [base["http"]["rss_mib"], end["http"]["rss_mib"]],
         "private_mib": [_private_mib(base), min(_private_mib(s) for s in window)],
+        "settle_private_mib": [max(_private_mib(s) for s in opening), min(_private_mib(s) for s in window)],
         "threads": [max([s["http"]["threads"] for s in before] + after_bursts), end["http"]["threads"]],
         "fds": [max(s["http"]["fds"] for s in before), end["http"]["fds"]],
         "lanes": [base["http"]["lanes"], end["http"]["lanes"]],
         "workers": [len(workers_in(base)), len(workers_in(end))],
     }
     problems = []
+    settle_from, settle_to = figures["settle_private_mib"]
+    if settle_to > settle_from + LEAK_SETTLE_MIB:
+        problems.append(f"the HTTP process's private memory grew through the settle phase, with no fault, from "
+                        f"{settle_from} to {settle_to} MiB (allowed {LEAK_SETTLE_MIB:g})")
     if figures["private_mib"][1] > figures["private_mib"][0] + LEAK_PRIVATE_MIB:
         problems.append(f"the HTTP process's private memory grew from {figures['private_mib'][0]} to "
                         f"{figures['private_mib'][1]} MiB, its lowest over the last {LEAK_WINDOW_S:g} s "
