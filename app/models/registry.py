@@ -305,8 +305,9 @@ class ModelRegistry:
         """
         now = time.monotonic()
         with self.lock:
+            busy_groups = self._busy_groups(now)
             idle = [(m.idle_for(now), m) for m in self.models.values()
-                    if m is not loading and gpu in self.caps_for(m) and not self._kept_by_its_group(m, now)]
+                    if m is not loading and gpu in self.caps_for(m) and m.settings.worker_group not in busy_groups]
             candidates = [(seconds, m) for seconds, m in idle if seconds is not None]
             if not candidates:
                 return None, None
@@ -315,16 +316,14 @@ class ModelRegistry:
                 return max(ripe, key=lambda pair: pair[0])[1], None
             return None, min((m.last_load_s or 0.0) - seconds for seconds, m in candidates)
 
-    def _kept_by_its_group(self, model: ServedModel, now: float) -> bool:
-        """Whether another member of the model's worker group is busy in their worker (under the lock).
+    def _busy_groups(self, now: float) -> set[str]:
+        """The worker groups with a member busy in their worker (under the lock).
 
         Unloading an idle member gives the budget back only with the worker, once its last member is
         unloaded; while another member is busy there, evicting this one would free nothing.
         """
-        group = model.settings.worker_group
-        return bool(group) and any(
-            other is not model and other.settings.worker_group == group and other.worker is not None
-            and other.idle_for(now) is None for other in self.models.values())
+        return {m.settings.worker_group for m in self.models.values()
+                if m.settings.worker_group and m.worker is not None and m.idle_for(now) is None}
 
     def _worker_exited(self, worker: WorkerProcess, code: int) -> None:
         """Called from a worker's reader thread once its exit is reaped: its models, then its budget.
