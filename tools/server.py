@@ -92,21 +92,25 @@ class ServerProcess:
         The server starts its spares after its models have loaded, and a spare's import takes seconds
         of CPU: measured under load, it would count against the service.
         """
-        import http.client
-
         from app.settings import load_settings
 
         wanted = load_settings(config_path=config, environ={}).spare_workers
         while wanted and time.monotonic() < deadline:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-            try:
-                conn.request("GET", "/models")
-                spares = json.loads(conn.getresponse().read()).get("spares", [])
-            finally:
-                conn.close()
+            spares = self.get_json("/models").get("spares", [])
             if len(spares) >= wanted and all(spare["ready"] for spare in spares):
                 return
             time.sleep(0.2)
+
+    def get_json(self, path: str, timeout_s: float = 10.0) -> dict:
+        """GET `path` from the server's HTTP port and return its JSON answer."""
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            conn.request("GET", path)
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
 
     @property
     def pid(self) -> int:

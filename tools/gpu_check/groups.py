@@ -15,9 +15,7 @@ Without TensorFlow (the lent machines have none: it is too large to carry) it is
 from __future__ import annotations
 
 import importlib.util
-import json
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -83,8 +81,7 @@ def serve_and_look(gpu: int) -> dict:
         except Exception as exc:  # a server that does not start is this check's failure, not the tool's
             return {"error": f"{type(exc).__name__}: {exc}"}
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/models", timeout=30) as answer:
-                rows = json.load(answer)["models"]
+            rows = server.get_json("/models", timeout_s=30)["models"]
             nvml = Nvml.open()
             try:
                 device = nvml.snapshot([gpu])[0]
