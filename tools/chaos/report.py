@@ -18,8 +18,8 @@ What must hold (issue 28):
   does not grow through the settle phase by more than LEAK_SETTLE_MIB, and ends within LEAK_PRIVATE_MIB of the
   baseline (the end of the warm-up), taking its lowest over the last LEAK_WINDOW_S; its threads and
   descriptors within a few per worker more than it then had (threads: or than just after a burst, which
-  grows the WSGI pool for good), and its memfd lanes those of its live workers only (a leak shows in each of the last LANE_SAMPLES samples, a worker that has just
-  exited in one); no child stays a zombie; after the stop, no worker or spare is left and the exit status is 0.
+  grows the WSGI pool for good), and its memfd lanes those of its live workers only (a leak shows in each
+  of the last LANE_SAMPLES samples, a worker that has just exited in one); no child stays a zombie; after the stop, no worker or spare is left and the exit status is 0.
 """
 
 from __future__ import annotations
